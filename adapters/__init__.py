@@ -1,0 +1,1 @@
+"""Driven adapters: MLX compute, loading, storage, model-family codecs, API dialect codecs, telemetry."""

@@ -1,0 +1,1 @@
+"""API dialect codecs, one package per dialect; they never import each other."""

@@ -1,0 +1,1 @@
+"""Anthropic Messages: wire types, codec, SSE stream state machine and errors."""

@@ -1,0 +1,1 @@
+"""OpenAI Chat Completions: wire types, codec, SSE stream state machine and errors."""

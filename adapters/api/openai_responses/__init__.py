@@ -1,0 +1,1 @@
+"""OpenAI Responses: wire types, codec, SSE stream state machine and errors."""

@@ -1,0 +1,1 @@
+"""Model-family codecs: render conversations through chat templates and parse text, thinking and tool calls."""

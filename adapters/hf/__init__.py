@@ -1,0 +1,1 @@
+"""Model resolution and loading: local mlx-lm dirs, Hugging Face repo ids, GGUF files, the embedded default."""

@@ -1,0 +1,1 @@
+"""On-disk stores written atomically: calibration, converted-model cache, prefix spill."""

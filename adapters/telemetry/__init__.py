@@ -1,0 +1,1 @@
+"""Telemetry sinks: structlog lines and an in-memory ring buffer for the dashboard."""

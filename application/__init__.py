@@ -1,0 +1,1 @@
+"""Use cases, the decode loop, the engine thread, settings and the composition root (bootstrap)."""

@@ -1,0 +1,140 @@
+"""The one decode loop every mode runs: prefill, then rounds of draft → verify → accept → commit/rollback.
+
+Plain decoding is this loop with no draft source (cap 0), so budget, stop and sampling rules are the
+same in every mode by construction.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator, Sequence
+
+from mlx_dspark.domain.budget import plan_commit, round_cap
+from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats
+from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap
+from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftContext
+from mlx_dspark.domain.errors import ContextTooLong, InvalidRequest
+from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished, TokensCommitted, Usage
+from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel
+from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
+
+
+def decode(
+    target: TargetModel,
+    prompt: Sequence[int],
+    sampling: SamplingParams,
+    stop: StopRule,
+    clock: Clock,
+    *,
+    source: DraftSource | None = None,
+    cap_policy: CapPolicy | None = None,
+    reuse_prefix: int = 0,
+    context_window: int | None = None,
+) -> Generator[DecodeEvent, None, None]:
+    """Generate from `prompt`, yielding events; closing the iterator cancels the request.
+
+    Args:
+        target: the model that decides every token.
+        prompt: prompt token ids (at least one).
+        sampling: temperature, truncation and seed.
+        stop: max_tokens and EOS ids.
+        clock: monotonic time source.
+        source: the draft source, or None for plain decoding.
+        cap_policy: how many drafts per round; defaults to the source's full block.
+        reuse_prefix: leading prompt tokens whose rows are already in the target's cache.
+        context_window: the target's context length, enforced before every round.
+
+    Yields:
+        TokensCommitted, RoundFinished and CapChanged events, then exactly one Finished.
+    """
+    if not prompt:
+        raise InvalidRequest(message="the prompt is empty", param="prompt")
+    if context_window is not None and len(prompt) >= context_window:
+        raise ContextTooLong(
+            message=f"prompt of {len(prompt)} tokens does not fit the context window of {context_window}",
+            limit=context_window,
+            requested=len(prompt),
+        )
+    rng = random.Random(sampling.seed)
+    if source is None:
+        policy: CapPolicy = FixedCap(0)
+    else:
+        policy = cap_policy or FixedCap(source.max_block)
+        source.begin(prompt)
+    reuse = target.reset(keep=max(0, min(reuse_prefix, len(prompt) - 1)))
+
+    start = clock.now()
+    first = target.prefill(prompt[reuse:], sampling, rng.random())
+    prefill_s = clock.now() - start
+    history = list(prompt)
+    stats = AcceptanceStats()
+    generated = 0
+    plan = plan_commit((first,), generated, stop)
+    if plan.tokens:
+        history.extend(plan.tokens)
+        generated += len(plan.tokens)
+        yield TokensCommitted(tokens=plan.tokens)
+    finish = plan.finish
+    decode_start = clock.now()
+
+    def usage() -> Usage:
+        return Usage(
+            prompt_tokens=len(prompt),
+            generated_tokens=generated,
+            cached_prompt_tokens=reuse,
+            rounds=stats.rounds,
+            drafted=stats.drafted,
+            accepted=sum(stats.accepts),
+            mean_accepted=stats.mean_accepted,
+            prefill_s=prefill_s,
+            decode_s=clock.now() - decode_start,
+        )
+
+    index = 0
+    while finish is None:
+        depth = target.cached_tokens
+        if context_window is not None and depth + 1 >= context_window:
+            finish = FinishReason.CONTEXT
+            break
+        requested = policy.cap(depth) if source is not None else 0
+        cap = round_cap(requested, stop.max_tokens - generated)
+        if context_window is not None:
+            cap = max(0, min(cap, context_window - depth - 2))
+        anchor = history[-1]
+        t0 = clock.now()
+        block = EMPTY_BLOCK
+        if source is not None and cap > 0:
+            features = target.take_features() if source.uses_features else None
+            ctx = DraftContext(anchor=anchor, position=depth, history=history, features=features)
+            cap = min(cap, source.max_block)
+            block = source.propose(ctx, cap, sampling, [rng.random() for _ in range(cap)])
+            block = block.truncated(cap)
+        t1 = clock.now()
+        verdict = target.verify(anchor, block, sampling, [rng.random() for _ in range(len(block) + 1)])
+        candidates = (*block.tokens[: verdict.accepted], verdict.next_token)
+        plan = plan_commit(candidates, generated, stop)
+        target.commit(plan.keep_rows)
+        t2 = clock.now()
+        stats.record(len(block), verdict.accepted, len(plan.tokens))
+        if plan.tokens:
+            history.extend(plan.tokens)
+            generated += len(plan.tokens)
+            yield TokensCommitted(tokens=plan.tokens)
+        yield RoundFinished(
+            index=index,
+            source=block.source if len(block) else "none",
+            cap=cap,
+            drafted=len(block),
+            accepted=verdict.accepted,
+            committed=len(plan.tokens),
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            depth=depth,
+        )
+        if source is not None:
+            decision = policy.observe(len(block), verdict.accepted, t2 - t0, depth)
+            if decision is not None:
+                yield CapChanged(old=decision.old, new=decision.new, reason=decision.reason)
+        index += 1
+        finish = plan.finish
+    yield Finished(reason=finish, usage=usage())

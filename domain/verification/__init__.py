@@ -1,0 +1,1 @@
+"""Reference acceptance rules (greedy and speculative sampling); adapters' fast paths are pinned to them."""

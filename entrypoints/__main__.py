@@ -1,0 +1,7 @@
+"""`python -m mlx_dspark.entrypoints` runs the CLI."""
+
+import sys
+
+from mlx_dspark.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The Litestar app: one router per dialect, admin and dashboard routes."""

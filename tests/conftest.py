@@ -1,0 +1,1 @@
+"""Shared fixtures; the fakes themselves live in tests/fakes."""

@@ -1,0 +1,1 @@
+"""Fakes of the ports, swapped in through bootstrap.build; never imported by production code."""

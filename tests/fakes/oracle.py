@@ -1,0 +1,117 @@
+"""An oracle target whose next-token distribution is a pure function of the prefix."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_dspark.domain.drafting.block import DraftBlock
+from mlx_dspark.domain.ports import RollbackKind
+from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.domain.verification.distribution import argmax, distribution, sample_index
+from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
+from mlx_dspark.domain.verification.outcome import Acceptance
+from mlx_dspark.domain.verification.sampled import speculative_accept
+
+
+def oracle_logits(prefix: Sequence[int], vocab: int, context: int, sharpness: float = 3.0) -> list[float]:
+    """Deterministic logits from the last `context` tokens (and the prefix length parity)."""
+    key = bytes(str(tuple(prefix[-context:])), "ascii")
+    seed = zlib.crc32(key)
+    out = []
+    for i in range(vocab):
+        seed = (seed * 1103515245 + 12345 + i) & 0x7FFFFFFF
+        out.append(sharpness * (seed / 0x7FFFFFFF))
+    return out
+
+
+class OracleTarget:
+    """A target model with an exact, inspectable cache of committed rows.
+
+    Attributes:
+        rows: tokens whose rows are in the cache, in order.
+        trims: how many rows each commit rolled back (for assertions).
+    """
+
+    def __init__(
+        self,
+        vocab: int = 16,
+        context: int = 2,
+        rollback: RollbackKind = RollbackKind.TRIM,
+        logits_fn: Any = None,
+    ) -> None:
+        self._vocab = vocab
+        self._context = context
+        self._rollback = rollback
+        self._logits_fn = logits_fn or (lambda prefix: oracle_logits(prefix, vocab, context))
+        self.rows: list[int] = []
+        self._pending: list[int] = []
+        self._feature_rows: list[tuple[int, int]] = []
+        self.trims: list[int] = []
+        self.verify_widths: list[int] = []
+
+    # The pure function that defines this target.
+    def logits(self, prefix: Sequence[int]) -> list[float]:
+        return list(self._logits_fn(prefix))
+
+    def greedy_next(self, prefix: Sequence[int]) -> int:
+        return argmax(self.logits(prefix))
+
+    def greedy_continuation(self, prefix: Sequence[int], n: int) -> list[int]:
+        seq = list(prefix)
+        for _ in range(n):
+            seq.append(self.greedy_next(seq))
+        return seq[len(prefix) :]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def rollback_kind(self) -> RollbackKind:
+        return self._rollback
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.rows)
+
+    def reset(self, keep: int = 0) -> int:
+        del self.rows[keep:]
+        self._pending = []
+        self._feature_rows = [(i, t) for i, t in enumerate(self.rows)]
+        return len(self.rows)
+
+    def _pick(self, prefix: Sequence[int], sampling: SamplingParams, u: float) -> int:
+        return sample_index(distribution(self.logits(prefix), sampling), u)
+
+    def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
+        start = len(self.rows)
+        self.rows.extend(tokens)
+        self._feature_rows.extend((start + i, t) for i, t in enumerate(tokens))
+        return self._pick(self.rows, sampling, uniform)
+
+    def verify(
+        self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]
+    ) -> Acceptance:
+        rows = [anchor, *block.tokens]
+        self.verify_widths.append(len(rows))
+        self._pending = rows
+        base = list(self.rows)
+        logits = [self.logits([*base, *rows[: i + 1]]) for i in range(len(rows))]
+        if sampling.greedy:
+            return longest_accepted_prefix(block.tokens, [argmax(row) for row in logits])
+        p_rows = [distribution(row, sampling) for row in logits]
+        return speculative_accept(block.tokens, p_rows, block.q, uniforms)
+
+    def commit(self, keep_rows: int) -> None:
+        start = len(self.rows)
+        kept = self._pending[:keep_rows]
+        self.trims.append(len(self._pending) - len(kept))
+        self.rows.extend(kept)
+        self._feature_rows.extend((start + i, t) for i, t in enumerate(kept))
+        self._pending = []
+
+    def take_features(self) -> list[tuple[int, int]]:
+        rows, self._feature_rows = self._feature_rows, []
+        return rows
