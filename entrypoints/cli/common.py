@@ -1,0 +1,61 @@
+"""Shared CLI plumbing: settings from flags + environment, logging, services, and error reporting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mlx_dspark.application import bootstrap
+from mlx_dspark.application.settings import MODES, Settings, load_settings
+from mlx_dspark.domain.errors import DomainError
+from mlx_dspark.entrypoints.log_config import configure_logging
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model (None = take the environment or default)."""
+    p.add_argument("--model", help="'default', 'gemma3-270m', a local dir, a Hugging Face repo id or a .gguf file")
+    p.add_argument("--mode", choices=MODES, help="draft source (default auto: measured winner)")
+    p.add_argument("--drafter", help="drafter checkpoint: local dir or Hugging Face repo id")
+    p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
+    p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
+    p.add_argument("--confidence-threshold", type=float, help="DSpark: stop the block when survival drops below")
+    p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
+    p.add_argument("--cache-dir", help="where converted models and calibration are stored")
+    p.add_argument("--log-level", help="debug, info, warning, error")
+
+
+def settings_from(args: argparse.Namespace, extra: Mapping[str, Any] | None = None) -> Settings:
+    flags = {k: v for k, v in vars(args).items() if v is not None}
+    flags.update(extra or {})
+    return load_settings(flags)
+
+
+def start(settings: Settings, *, quiet_logs: bool = False) -> bootstrap.Services:
+    """Swap the BLAS (before MLX loads), configure logging, wire services."""
+    bootstrap.prepare_runtime()
+    telemetry = settings.telemetry
+    if quiet_logs and telemetry.log_level == "info":
+        import attrs
+
+        telemetry = attrs.evolve(telemetry, log_level="warning")
+    configure_logging(telemetry)
+    return bootstrap.build(settings)
+
+
+def run_guarded(fn: Callable[[], int]) -> int:
+    """Run a command body: domain errors become one clear line and exit status 1; Ctrl-C exits 130."""
+    try:
+        return fn()
+    except DomainError as exc:
+        sys.stderr.write(f"mlx-dspark: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\nmlx-dspark: interrupted\n")
+        return 130
+
+
+def progress_line(msg: str) -> None:
+    sys.stderr.write(f"mlx-dspark: {msg}\n")
+    sys.stderr.flush()

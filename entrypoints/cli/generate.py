@@ -1,0 +1,74 @@
+"""`mlx-dspark generate`: stream text for one prompt to the terminal, or print one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import attrs
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, TextDelta
+from mlx_dspark.application.modes import build_generator
+from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, settings_from, start
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-dspark generate", description="Generate text losslessly faster.")
+    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    add_model_args(p)
+    p.add_argument("--max-tokens", type=int, help="hard cap on generated tokens (default 256)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", help="system prompt (chat template only)")
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    as_json, stops, system, raw = args.json, tuple(args.stop), args.system, args.no_chat_template
+    for name in ("prompt", "json", "stop", "system", "no_chat_template"):
+        delattr(args, name)
+
+    def body() -> int:
+        settings = settings_from(args)
+        services = start(settings, quiet_logs=True)
+        gen = build_generator(services, settings, progress=progress_line)
+        d = settings.decode
+        sampling = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed)
+        prompt: object = prompt_text
+        if system and not raw:
+            prompt = [{"role": "system", "content": system}, {"role": "user", "content": prompt_text}]
+        request = GenerationRequest(
+            prompt=prompt,  # type: ignore[arg-type]
+            max_tokens=d.max_tokens,
+            sampling=sampling,
+            stop=stops,
+            chat_template=not raw,
+        )
+        for event in gen.stream(request):
+            if isinstance(event, TextDelta) and not as_json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, GenerationDone):
+                r = event.result
+                if as_json:
+                    out = attrs.asdict(r)
+                    out["token_ids"] = list(r.token_ids)
+                    sys.stdout.write(json.dumps(out) + "\n")
+                else:
+                    sys.stdout.write("\n")
+                    progress_line(
+                        f"{r.generated_tokens} tokens, {r.tokens_per_second:.1f} tok/s, mode {r.mode}, "
+                        f"{r.mean_accepted:.2f} per round, finish {r.finish_reason}"
+                    )
+        return 0
+
+    return run_guarded(body)
