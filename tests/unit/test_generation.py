@@ -1,0 +1,130 @@
+"""The generation use case: text deltas, stop strings, prefix reuse and results, on fakes via bootstrap."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mlx_dspark.application.bootstrap import build
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, Generator, TextDelta
+from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.settings import load_settings
+from mlx_dspark.domain.tokens import SamplingParams
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.fakes.drafts import ScriptedDraftSource
+from tests.fakes.oracle import OracleTarget
+
+ALPHABET = "abcdefgh ijklmno"  # 16 symbols, one per oracle token id
+
+
+class CharTokenizer:
+    """One character per token over a 16-symbol alphabet; id 15 ('o') is EOS when `eos` is set."""
+
+    def __init__(self, eos: frozenset[int] = frozenset()) -> None:
+        self._eos = eos
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return len(ALPHABET)
+
+    @property
+    def chat_template(self) -> str | None:
+        return "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [ALPHABET.index(c) for c in text if c in ALPHABET]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(ALPHABET[i] for i in ids)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **_: Any) -> str:
+        return "".join(str(m["content"]) for m in messages)
+
+
+class FakeLoader:
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    def load_target(self, name: str) -> LoadedModel:
+        return self.model
+
+    def load_drafter(self, kind: str, spec: str | None, model: LoadedModel, *, bits: int | None):
+        raise AssertionError("not used")
+
+    def available_drafters(self, model: LoadedModel) -> Sequence[str]:
+        return []
+
+
+def make(source=True, eos=frozenset()):
+    target = OracleTarget()
+    model = LoadedModel(
+        name="fake", identity="fake@0", target=target, tokenizer=CharTokenizer(eos), context_window=512, family="fake"
+    )
+    telemetry = RecordingTelemetrySink()
+    services = build(load_settings({}, {}), loader=FakeLoader(model), telemetry=telemetry, clock=FakeClock())
+    src = ScriptedDraftSource(target, lambda r, i: i < 2, block=4) if source else None
+    gen = Generator(model, source=src, mode="scripted" if source else "baseline", clock=services.clock,
+                    telemetry=services.telemetry)
+    return gen, target, telemetry
+
+
+def collect(gen, request):
+    deltas, result = [], None
+    for ev in gen.stream(request):
+        if isinstance(ev, TextDelta):
+            deltas.append(ev.text)
+        elif isinstance(ev, GenerationDone):
+            result = ev.result
+    return "".join(deltas), result
+
+
+def test_text_equals_decoded_tokens_and_matches_plain_decoding():
+    spec, _, telemetry = make(source=True)
+    plain, _, _ = make(source=False)
+    req = GenerationRequest(prompt="abc", max_tokens=25)
+    text_s, res_s = collect(spec, req)
+    text_p, res_p = collect(plain, req)
+    assert res_s.token_ids == res_p.token_ids
+    assert text_s == text_p == CharTokenizer().decode(res_s.token_ids)
+    assert res_s.generated_tokens == 25 and res_s.finish_reason == "length"
+    assert res_s.rounds < res_p.rounds
+    assert any(type(e).__name__ == "Finished" for _, e in telemetry.events)
+
+
+def test_stop_string_truncates_text_and_is_reported():
+    gen, target, _ = make()
+    full = CharTokenizer().decode(target.greedy_continuation(CharTokenizer().encode("abc"), 40))
+    stop = full[10:12]
+    text, res = collect(gen, GenerationRequest(prompt="abc", max_tokens=40, stop=(stop,)))
+    assert text == full[: full.index(stop)]
+    assert res.finish_reason == "stop_sequence" and res.stop_sequence == stop
+
+
+def test_prefix_is_reused_across_turns():
+    gen, target, _ = make()
+    _, first = collect(gen, GenerationRequest(prompt="abcdef", max_tokens=8))
+    follow_up = "abcdef" + CharTokenizer().decode(first.token_ids) + "gg"
+    _, second = collect(gen, GenerationRequest(prompt=follow_up, max_tokens=8))
+    assert second.cached_prompt_tokens == 6 + 8 - 1
+    fresh, _, _ = make()
+    _, expected = collect(fresh, GenerationRequest(prompt=follow_up, max_tokens=8))
+    assert second.token_ids == expected.token_ids
+
+
+def test_eos_ends_the_request_with_stop():
+    probe, target, _ = make()
+    cont = target.greedy_continuation(CharTokenizer().encode("abc"), 30)
+    gen, _, _ = make(eos=frozenset({cont[5]}))
+    _, res = collect(gen, GenerationRequest(prompt="abc", max_tokens=30))
+    assert res.finish_reason == "stop"
+    assert list(res.token_ids) == cont[: cont.index(cont[5])]
+
+
+def test_seeded_sampling_is_reproducible_through_the_use_case():
+    gen, _, _ = make()
+    req = GenerationRequest(prompt="abc", max_tokens=20, sampling=SamplingParams(temperature=1.0, seed=3))
+    assert collect(gen, req)[1].token_ids == collect(gen, req)[1].token_ids
