@@ -1,17 +1,18 @@
-"""Draft-cap policies: a fixed cap, or one chosen online from measured curves and observed acceptance."""
+"""Draft-cap policies: a fixed cap, or one chosen online from measured curves, acceptance and round times."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
 from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
-from mlx_dspark.domain.costmodel.curves import CostCurves, best_cap
+from mlx_dspark.domain.costmodel.curves import CostCurves, expected_tokens
 
 
 @attrs.frozen(kw_only=True)
 class CapDecision:
-    """A change of draft cap, reported as a telemetry event."""
+    """A change of draft cap (or of draft source), reported as a telemetry event."""
 
     old: int
     new: int
@@ -40,45 +41,145 @@ class FixedCap:
 
 
 @attrs.define
+class RoundTimeCorrection:
+    """Observed ÷ predicted round seconds, per verify width, as an EWMA.
+
+    Calibration can be off at run time (other load, thermal limits, real traffic on an MoE, a deeper
+    context than calibrated), so the policy rescales the measured curve by what rounds really took.
+    Widths never observed take the ratio of the nearest observed widths (linear in between), so one
+    observed width rescales the whole curve uniformly and changes no decision by itself.
+    """
+
+    alpha: float = 0.2
+    ratios: dict[int, float] = attrs.Factory(dict)
+
+    def record(self, width: int, observed_s: float, predicted_s: float) -> None:
+        if predicted_s <= 0 or observed_s <= 0:
+            return
+        ratio = observed_s / predicted_s
+        old = self.ratios.get(width)
+        self.ratios[width] = ratio if old is None else old + self.alpha * (ratio - old)
+
+    def factor(self, width: int) -> float:
+        if not self.ratios:
+            return 1.0
+        if width in self.ratios:
+            return float(self.ratios[width])
+        xs = sorted(self.ratios)
+        if width < xs[0]:
+            return self.ratios[xs[0]]
+        if width > xs[-1]:
+            return self.ratios[xs[-1]]
+        hi = next(x for x in xs if x > width)
+        lo = max(x for x in xs if x < width)
+        t = (width - lo) / (hi - lo)
+        return self.ratios[lo] + t * (self.ratios[hi] - self.ratios[lo])
+
+
+def corrected_rate(
+    curves: CostCurves,
+    cap: int,
+    acceptance: Sequence[float],
+    correction: RoundTimeCorrection,
+    depth: int = 0,
+) -> float:
+    """Expected tokens per second at `cap`, with the round time rescaled by observed ÷ predicted."""
+    seconds = curves.round_seconds(cap, depth) * correction.factor(cap + 1)
+    if seconds <= 0:
+        return float("inf")
+    return expected_tokens(cap, acceptance) / seconds
+
+
+def _prior_acceptance(policy: MeasuredCap) -> EwmaAcceptance:
+    return EwmaAcceptance(positions=max(policy.max_cap, 1))
+
+
+@attrs.define
 class MeasuredCap:
-    """Best cap under the cost model, re-decided as acceptance is observed.
+    """Best cap under the cost model, re-decided from observed acceptance and observed round times.
 
     When the model says speculation cannot win (best cap 0) it pauses, and every `probe_every` rounds
     it drafts one round at `probe_cap` so that acceptance keeps being measured and speculation can resume.
+    While speculating it runs one plain round every `explore_every` rounds so the observed cost of the
+    plain step (the baseline every cap is compared with) stays current. Probes and exploration rounds
+    are scheduled measurements, not decisions; every decision (the first one included) comes back from
+    `observe` as a CapDecision, which the decode loop yields as a CapChanged event.
+
+    Attributes:
+        curves: calibrated seconds per round on this machine.
+        max_cap: the largest cap allowed (the source's block, or the user's --max-draft).
+        acceptance: per-position conditional acceptance, starting from a prior.
+        hysteresis: a new cap must beat the current one's expected rate by this fraction.
     """
 
     curves: CostCurves
     max_cap: int
-    acceptance: EwmaAcceptance = attrs.Factory(EwmaAcceptance)
+    acceptance: EwmaAcceptance = attrs.Factory(_prior_acceptance, takes_self=True)
+    correction: RoundTimeCorrection = attrs.Factory(RoundTimeCorrection)
     probe_every: int = 16
     probe_cap: int = 2
+    explore_every: int = 32
+    hysteresis: float = 0.02
     _current: int = attrs.field(init=False, default=-1)
+    _announced: bool = attrs.field(init=False, default=False)
     _paused_rounds: int = attrs.field(init=False, default=0)
+    _spec_rounds: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_cap < 0:
+            raise ValueError("max_cap must be >= 0")
+
+    def rate(self, cap: int, depth: int) -> float:
+        """Expected tokens per second at `cap` under what has been observed so far."""
+        return corrected_rate(self.curves, cap, self.acceptance.estimate(), self.correction, depth)
 
     def _decide(self, depth: int) -> int:
-        return best_cap(self.curves, self.acceptance.estimate(), self.max_cap, depth)
+        best, best_rate = 0, self.rate(0, depth)
+        for cap in range(1, self.max_cap + 1):
+            rate = self.rate(cap, depth)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = cap, rate
+        # Stay put unless the winner is clearly better: rates are noisy and flapping costs a re-plan.
+        if (
+            0 <= self._current <= self.max_cap
+            and best != self._current
+            and best_rate <= self.rate(self._current, depth) * (1 + self.hysteresis)
+        ):
+            return self._current
+        return best
 
     def cap(self, depth: int) -> int:
         if self._current < 0:
             self._current = self._decide(depth)
-        if self._current == 0 and self.max_cap > 0:
-            self._paused_rounds += 1
-            if self._paused_rounds >= self.probe_every:
-                self._paused_rounds = 0
-                return min(self.probe_cap, self.max_cap)
+        if self._current == 0:
+            if self.max_cap > 0:
+                self._paused_rounds += 1
+                if self._paused_rounds >= self.probe_every:
+                    self._paused_rounds = 0
+                    return min(self.probe_cap, self.max_cap)
+            return 0
+        self._spec_rounds += 1
+        if self.explore_every > 0 and self._spec_rounds % self.explore_every == 0:
+            return 0
         return self._current
 
     def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
         if drafted > 0:
             self.acceptance.record(drafted, accepted)
+        self.correction.record(drafted + 1, seconds, self.curves.round_seconds(drafted, depth))
+        old = self._current if self._announced else self.max_cap
         new = self._decide(depth)
-        if new == self._current:
+        self._current = new
+        if not self._announced:
+            # The first decision is reported against the default a policy-less loop would use.
+            self._announced = True
+            return CapDecision(old=old, new=new, reason="initial: best cap under the calibrated curves")
+        if new == old:
             return None
-        old, self._current = self._current, new
         if new == 0:
-            reason = "pause: speculation cannot win at the observed acceptance"
+            reason = "pause: speculation cannot win at the observed acceptance and round times"
         elif old == 0:
-            reason = "resume: observed acceptance makes speculation pay"
+            reason = "resume: observed acceptance and round times make speculation pay"
         else:
-            reason = "re-optimized from observed acceptance"
+            reason = "re-optimized from observed acceptance and round times"
         return CapDecision(old=old, new=new, reason=reason)
