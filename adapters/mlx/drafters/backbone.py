@@ -1,0 +1,271 @@
+"""The KV-injection backbone shared by DFlash and DSpark (drafters.md §2.1, §3.1), written once.
+
+`fc` fuses the concatenated target-layer features, `hidden_norm` normalizes them, and every drafter layer
+uses the fused rows as extra keys/values (same k/v projections and k_norm as the block; queries only from
+the block). RoPE puts context rows at their absolute positions and the block at anchor_pos... Full layers
+attend bidirectionally over the block and every context row; sliding layers are causal in the block
+(unless the checkpoint says otherwise) and see only the last `sliding_window` positions.
+
+Two ways in: a pure forward (`DrafterBackbone.hidden`, explicit positions and masks, for training) and
+`ContextCache`, the inference cache that holds K/V of verified context rows only and so never rolls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
+from mlx_lm.models.rope_utils import initialize_rope
+
+Positions = int | mx.array
+KV = tuple[mx.array, mx.array]
+
+
+def rope_at(rope: nn.Module, x: mx.array, positions: Positions) -> mx.array:
+    """Rotate `x` [B, heads, T, D] at `positions`: a start offset (contiguous rows) or ids [T] / [B, T]."""
+    if isinstance(positions, int):
+        return rope(x, offset=positions)
+    b, h, t, d = x.shape
+    pos = mx.broadcast_to(positions.reshape(-1, t) if positions.ndim == 2 else positions[None], (b, t))
+    # mx.fast.rope takes one offset per batch entry, so every token becomes its own batch entry.
+    rows = x.transpose(0, 2, 1, 3).reshape(b * t, h, 1, d)
+    out = rope(rows, offset=pos.reshape(-1).astype(mx.int32))
+    return out.reshape(b, t, h, d).transpose(0, 2, 1, 3)
+
+
+class DraftAttention(nn.Module):
+    """Attention whose keys/values are [context rows ; block rows] and whose queries are the block."""
+
+    def __init__(self, cfg: BackboneConfig) -> None:
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = nh, nkv, hd
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(h, nh * hd, bias=bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        b, t, _ = x.shape
+        return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
+
+    def key_values(self, x: mx.array, positions: Positions) -> KV:
+        """Rotated keys and values [B, kv_heads, T, D] of rows `x` [B, T, H] (context or block)."""
+        k = rope_at(self.rope, self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), positions)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        return k, v
+
+    def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
+        q = rope_at(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), positions)
+        k, v = self.key_values(x, positions)
+        if context is not None:
+            k = mx.concatenate([context[0].astype(k.dtype), k], axis=2)
+            v = mx.concatenate([context[1].astype(v.dtype), v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: BackboneConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm residual decoder layer (Qwen3 layout)."""
+
+    def __init__(self, cfg: BackboneConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), positions, context, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DrafterBackbone(nn.Module):
+    """fc + hidden_norm + decoder layers + final norm; tensor names match the published checkpoints."""
+
+    def __init__(self, cfg: BackboneConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        m = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(m * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DraftLayer(cfg) for _ in range(cfg.num_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.norm.weight.dtype
+
+    def fuse(self, features: mx.array) -> mx.array:
+        """hidden_norm(fc(features)): concatenated target features [.., m·H_t] → context rows [.., H]."""
+        return self.hidden_norm(self.fc(features.astype(self.dtype)))
+
+    def context_kv(self, fused: mx.array, positions: Positions) -> list[KV]:
+        """Each layer's rotated K/V of fused context rows [B, S, H] at `positions`."""
+        return [layer.self_attn.key_values(fused, positions) for layer in self.layers]
+
+    def hidden(
+        self,
+        block: mx.array,
+        positions: Positions,
+        *,
+        context: list[KV] | None = None,
+        masks: mx.array | Mapping[str, mx.array | None] | None = None,
+    ) -> mx.array:
+        """Pure forward of block embeddings through every layer, then the final norm.
+
+        Args:
+            block: block input embeddings [B, L, H].
+            positions: the block's absolute positions (start offset or ids).
+            context: per-layer context K/V from `context_kv` (or `ContextCache.layer_kv`), or None.
+            masks: None (attend to everything), one mask for every layer, or a mapping from layer type
+                ("full_attention" / "sliding_attention") to a mask; masks are boolean (True = attend) or
+                additive, shaped [L, S + L] or broadcastable to [B, heads, L, S + L].
+
+        Returns:
+            Final-normed hidden states [B, L, H].
+        """
+        x = block.astype(self.dtype)
+        for i, layer in enumerate(self.layers):
+            mask = masks.get(self.config.layer_types[i]) if isinstance(masks, Mapping) else masks
+            x = layer(x, positions, None if context is None else context[i], mask)
+        return self.norm(x)
+
+
+def sliding_mask(q_positions: mx.array, k_positions: mx.array, window: int, causal: bool) -> mx.array:
+    """Boolean [Lq, Lk]: key j visible to query i iff i − j < window (and j ≤ i when causal)."""
+    diff = q_positions[:, None] - k_positions[None, :]
+    visible = diff < window
+    if causal:
+        visible = visible & (diff >= 0)
+    return visible
+
+
+class ContextCache:
+    """Per-layer K/V of verified context rows, appended from target features; never holds block rows.
+
+    Full layers keep every row; sliding layers keep the last `sliding_window − 1` rows (all the anchor's
+    query can see; later block queries see a subset, enforced by the mask). Rows are contiguous positions
+    `[start_i, offset)` per layer, so one start offset per layer describes them.
+    """
+
+    _STEP = 256
+
+    def __init__(self, backbone: DrafterBackbone) -> None:
+        self._backbone = backbone
+        self._cfg = backbone.config
+        self.reset()
+
+    def reset(self) -> None:
+        n = self._cfg.num_layers
+        self.offset = 0
+        self._keys: list[mx.array | None] = [None] * n
+        self._values: list[mx.array | None] = [None] * n
+        self._start = [0] * n
+        self._len = [0] * n
+
+    def _keep(self, i: int) -> int | None:
+        if self._cfg.is_sliding(i):
+            assert self._cfg.sliding_window is not None
+            return max(1, self._cfg.sliding_window - 1)
+        return None
+
+    def append(self, features: mx.array, first_position: int) -> None:
+        """Add the rows of `features` [n, m·H_t] whose first row sits at absolute `first_position`.
+
+        A gap (rows the drafter never saw, e.g. a reused prompt prefix) drops older rows so positions stay
+        contiguous; the drafter then simply attends to less context.
+        """
+        if features.ndim == 2:
+            features = features[None]
+        n = features.shape[1]
+        if n == 0:
+            return
+        if first_position != self.offset:
+            if first_position < self.offset:
+                raise ValueError(f"context rows from {first_position} overlap cached rows up to {self.offset}")
+            self.reset()
+            self._start = [first_position] * self._cfg.num_layers
+        kvs = self._backbone.context_kv(self._backbone.fuse(features), first_position)
+        for i, (k, v) in enumerate(kvs):
+            self._write(i, k, v)
+        self.offset = first_position + n
+
+    def _write(self, i: int, k: mx.array, v: mx.array) -> None:
+        n = k.shape[2]
+        used = self._len[i]
+        keys, values = self._keys[i], self._values[i]
+        if keys is None or values is None or used + n > keys.shape[2]:
+            grow = ((n + self._STEP - 1) // self._STEP) * self._STEP
+            b, h, _, d = k.shape
+            new_k = mx.zeros((b, h, used + grow, d), dtype=k.dtype)
+            new_v = mx.zeros((b, h, used + grow, d), dtype=v.dtype)
+            if keys is not None and values is not None and used:
+                new_k[..., :used, :] = keys[..., :used, :]
+                new_v[..., :used, :] = values[..., :used, :]
+            keys, values = new_k, new_v
+        keys[..., used : used + n, :] = k
+        values[..., used : used + n, :] = v
+        used += n
+        keep = self._keep(i)
+        if keep is not None and used > keep + self._STEP:
+            # Trim a sliding layer back to its window only now and then, to amortize the copy.
+            keys, values = keys[..., used - keep : used, :], values[..., used - keep : used, :]
+            self._start[i] += used - keep
+            used = keep
+        self._keys[i], self._values[i], self._len[i] = keys, values, used
+
+    def layer_kv(self, i: int) -> KV | None:
+        """Layer i's cached context K/V [1, kv_heads, S_i, D], or None when empty."""
+        keys, values = self._keys[i], self._values[i]
+        if keys is None or values is None or self._len[i] == 0:
+            return None
+        return keys[..., : self._len[i], :], values[..., : self._len[i], :]
+
+    def state(self) -> list[Any]:
+        """Arrays to evaluate together with a draft, so the cache graph never grows across rounds."""
+        return [a for a in (*self._keys, *self._values) if a is not None]
+
+    def forward(self, block: mx.array, anchor_position: int) -> mx.array:
+        """Final-normed hidden [1, L, H] of block embeddings [1, L, H] starting at `anchor_position`."""
+        cfg = self._cfg
+        length = block.shape[1]
+        q_pos = mx.arange(anchor_position, anchor_position + length)
+        x = block.astype(self._backbone.dtype)
+        for i, layer in enumerate(self._backbone.layers):
+            ctx = self.layer_kv(i)
+            mask = None
+            if cfg.layer_types[i] == SLIDING and cfg.sliding_window is not None:
+                ctx_len = 0 if ctx is None else ctx[0].shape[2]
+                k_pos = mx.concatenate([mx.arange(self._start[i], self._start[i] + ctx_len), q_pos])
+                mask = sliding_mask(q_pos, k_pos, cfg.sliding_window, cfg.sliding_causal)
+            x = layer(x, anchor_position, ctx, mask)
+        return self._backbone.norm(x)

@@ -1,0 +1,305 @@
+"""Drafter checkpoint configs: the published DFlash and DSpark `config.json` schemas, parsed into frozen values.
+
+Handles the schema drift of z-lab DFlash (`block_size` top-level or in `dflash_config`, `rope_theta` or
+`rope_parameters`, sliding layers) and the three DSpark packagings (DeepSpec standalone, vLLM speculators,
+SpecForge). See ../shared/docs/drafters.md §2.2 and §3.2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from mlx_dspark.domain.errors import ModelUnavailable
+
+SLIDING = "sliding_attention"
+
+
+@attrs.frozen(kw_only=True)
+class BackboneConfig:
+    """The shared KV-injection transformer (fc + hidden_norm + Qwen3-style layers + norm).
+
+    Attributes:
+        hidden_size: drafter width H.
+        target_hidden_size: width of each captured target feature (fc reads m × this).
+        num_layers: drafter decoder layers.
+        num_heads / num_kv_heads / head_dim / intermediate_size / rms_norm_eps: layer shape.
+        rope_theta / rope_scaling / max_position_embeddings: RoPE as in the checkpoint (partial rotary
+            factors inherited from a target config are deliberately ignored, §3.6).
+        target_layer_ids: target decoder layers whose outputs are concatenated, in order.
+        num_target_layers: the target depth the drafter was trained for, when declared.
+        block_size: block length (anchor + masks).
+        mask_token_id: the mask token's id.
+        layer_types: per layer "full_attention" or "sliding_attention".
+        sliding_window: window of sliding layers (rows, including the query's own).
+        sliding_causal: whether sliding layers are causal inside the block.
+        attention_bias: q/k/v/o projections carry biases.
+        vocab_size: the vocabulary the drafter declares (None when absent).
+    """
+
+    hidden_size: int
+    target_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int | None = None
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    block_size: int
+    mask_token_id: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    sliding_causal: bool = True
+    attention_bias: bool = False
+    vocab_size: int | None = None
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING and self.sliding_window is not None
+
+
+@attrs.frozen(kw_only=True)
+class DFlashConfig:
+    """A z-lab DFlash drafter: target embedding in, target LM head out, slots 1..bs−1 are drafts."""
+
+    backbone: BackboneConfig
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DSparkConfig:
+    """A DSpark drafter: backbone + Markov head + confidence head.
+
+    Attributes:
+        packaging: "deepspec", "speculators" or "specforge".
+        first_draft_slot: 0 when slot k predicts anchor+k+1 (`sample_from_anchor`), 1 when slot 0 is
+            reserved and slot k predicts anchor+k (`logits_start=1`).
+        markov_rank: rank r of the Markov head (0 = none).
+        markov_head_type: only "vanilla" is supported.
+        confidence_head / confidence_with_markov: the confidence head and whether it reads w1[x_{k−1}].
+        draft_vocab_size: the head's vocabulary (< target vocab with a d2t table).
+    """
+
+    backbone: BackboneConfig
+    packaging: str
+    first_draft_slot: int = 0
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+    draft_vocab_size: int | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+
+
+def _first(*sources: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
+    for src in sources:
+        if src and src.get(key) is not None:
+            return src[key]
+    return default
+
+
+def _rope(layer: Mapping[str, Any]) -> tuple[float, Mapping[str, Any] | None]:
+    params = layer.get("rope_parameters") or {}
+    theta = layer.get("rope_theta", params.get("rope_theta"))
+    scaling = layer.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling is not None and (scaling.get("rope_type") or scaling.get("type") or "default") == "default":
+        scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def _require(value: Any, what: str, where: str) -> Any:
+    if value is None:
+        raise ModelUnavailable(message=f"{where}: config.json has no `{what}`")
+    return value
+
+
+def _backbone(
+    layer: Mapping[str, Any],
+    *,
+    block_size: Any,
+    mask_token_id: Any,
+    target_layer_ids: Any,
+    num_target_layers: Any,
+    target_hidden_size: Any,
+    non_causal: bool,
+    where: str,
+) -> BackboneConfig:
+    hidden = int(_require(layer.get("hidden_size"), "hidden_size", where))
+    heads = int(_require(layer.get("num_attention_heads"), "num_attention_heads", where))
+    n_layers = int(_require(layer.get("num_hidden_layers"), "num_hidden_layers", where))
+    theta, scaling = _rope(layer)
+    layer_types = tuple(layer.get("layer_types") or ("full_attention",) * n_layers)
+    if len(layer_types) != n_layers:
+        raise ModelUnavailable(message=f"{where}: {len(layer_types)} layer_types for {n_layers} layers")
+    window = layer.get("sliding_window")
+    if any(t == SLIDING for t in layer_types) and not window:
+        raise ModelUnavailable(message=f"{where}: sliding_attention layers but no sliding_window")
+    return BackboneConfig(
+        hidden_size=hidden,
+        target_hidden_size=int(target_hidden_size or hidden),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(layer.get("intermediate_size"), "intermediate_size", where)),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=layer.get("max_position_embeddings"),
+        target_layer_ids=tuple(int(i) for i in _require(target_layer_ids, "target_layer_ids", where)),
+        num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
+        block_size=int(_require(block_size, "block_size", where)),
+        mask_token_id=int(_require(mask_token_id, "mask_token_id", where)),
+        layer_types=layer_types,
+        sliding_window=int(window) if window else None,
+        sliding_causal=not non_causal,
+        attention_bias=bool(layer.get("attention_bias", False)),
+        vocab_size=int(layer["vocab_size"]) if layer.get("vocab_size") else None,
+    )
+
+
+def _non_causal(*sources: Mapping[str, Any] | None) -> bool:
+    if _first(*sources, key="sliding_window_non_causal", default=False):
+        return True
+    return _first(*sources, key="is_causal", default=True) is False
+
+
+def parse_dflash(raw: Mapping[str, Any], where: str = "drafter") -> DFlashConfig:
+    """Parse a z-lab DFlash `config.json` (§2.2), any schema revision.
+
+    Raises:
+        ModelUnavailable: a required key is missing or the file is a DSpark checkpoint.
+    """
+    dcfg = raw.get("dflash_config") or {}
+    if dcfg.get("projector_type") == "dspark" or "markov_rank" in raw or "speculators_config" in raw:
+        raise ModelUnavailable(message=f"{where}: this is a DSpark checkpoint; load it with kind='dspark'")
+    backbone = _backbone(
+        raw,
+        block_size=_first(raw, dcfg, key="block_size"),
+        mask_token_id=_first(dcfg, raw, key="mask_token_id"),
+        target_layer_ids=_first(dcfg, raw, key="target_layer_ids"),
+        num_target_layers=_first(raw, dcfg, key="num_target_layers"),
+        target_hidden_size=_first(dcfg, raw, key="target_hidden_size"),
+        non_causal=_non_causal(dcfg, raw),
+        where=where,
+    )
+    return DFlashConfig(
+        backbone=backbone,
+        input_embedding_scale=_first(dcfg, raw, key="input_embedding_scale"),
+        output_multiplier=_first(dcfg, raw, key="output_multiplier"),
+        final_logit_softcapping=_first(dcfg, raw, key="final_logit_softcapping"),
+    )
+
+
+def dspark_packaging(raw: Mapping[str, Any]) -> str:
+    """Which DSpark packaging a `config.json` is: "deepspec", "speculators" or "specforge".
+
+    Raises:
+        ModelUnavailable: a Gemma-4 backbone variant, a non-DSpark speculators algorithm, or no DSpark marker.
+    """
+    arch = " ".join(raw.get("architectures") or ())
+    if "Gemma4DSpark" in arch or str(raw.get("model_type", "")).startswith("gemma4"):
+        raise ModelUnavailable(
+            message="Gemma-4 DSpark drafters (Gemma4DSparkModel: k=v attention, sandwich norms, partial RoPE) "
+            "are not supported; only Qwen3-style DSpark backbones are"
+        )
+    spec = raw.get("speculators_config")
+    if spec is not None or raw.get("speculators_model_type"):
+        algorithm = (spec or {}).get("algorithm") or raw.get("speculators_model_type")
+        if algorithm != "dspark":
+            raise ModelUnavailable(message=f"speculators checkpoint with algorithm {algorithm!r}, expected 'dspark'")
+        layer = raw.get("transformer_layer_config") or {}
+        if str(layer.get("model_type", "")).startswith("gemma4"):
+            raise ModelUnavailable(message="Gemma-4 DSpark drafters are not supported")
+        return "speculators"
+    if (raw.get("dflash_config") or {}).get("projector_type") == "dspark":
+        return "specforge"
+    if "Qwen3DSparkModel" in arch or "markov_rank" in raw:
+        return "deepspec"
+    raise ModelUnavailable(message="config.json is not a DSpark checkpoint (no DSpark marker); try kind='dflash'")
+
+
+def _first_slot(*sources: Mapping[str, Any] | None, default: int) -> int:
+    start = _first(*sources, key="logits_start")
+    if start is not None:
+        return int(start)
+    anchor = _first(*sources, key="sample_from_anchor")
+    if anchor is not None:
+        return 0 if anchor else 1
+    return default
+
+
+def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig:
+    """Parse a DSpark `config.json` in any supported packaging (§3.2).
+
+    The slot convention is read from `logits_start` / `sample_from_anchor` when present; otherwise the
+    packaging's documented default applies (all three predict from the anchor slot).
+
+    Raises:
+        ModelUnavailable: unsupported variant or a required key is missing.
+    """
+    packaging = dspark_packaging(raw)
+    if packaging == "speculators":
+        layer = raw.get("transformer_layer_config") or {}
+        extra: Mapping[str, Any] = raw
+        backbone = _backbone(
+            layer,
+            block_size=raw.get("block_size"),
+            mask_token_id=raw.get("mask_token_id"),
+            target_layer_ids=_first(raw, key="aux_hidden_state_layer_ids")
+            or _first(raw, key="target_layer_ids"),
+            num_target_layers=raw.get("num_target_layers"),
+            target_hidden_size=raw.get("target_hidden_size"),
+            non_causal=_non_causal(raw, layer),
+            where=where,
+        )
+        draft_vocab = raw.get("draft_vocab_size")
+        first_slot = _first_slot(raw, default=0)
+    else:
+        dcfg = raw.get("dflash_config") or {}
+        extra = {**raw, **dcfg}
+        backbone = _backbone(
+            raw,
+            block_size=_first(dcfg, raw, key="block_size"),
+            mask_token_id=_first(dcfg, raw, key="mask_token_id"),
+            target_layer_ids=_first(dcfg, raw, key="target_layer_ids"),
+            num_target_layers=_first(raw, dcfg, key="num_target_layers"),
+            target_hidden_size=_first(dcfg, raw, key="target_hidden_size"),
+            non_causal=_non_causal(dcfg, raw),
+            where=where,
+        )
+        draft_vocab = _first(dcfg, raw, key="draft_vocab_size")
+        first_slot = _first_slot(dcfg, raw, default=0)
+    head_type = str(extra.get("markov_head_type") or "vanilla").lower()
+    rank = int(extra.get("markov_rank") or 0)
+    if rank > 0 and head_type != "vanilla":
+        raise ModelUnavailable(message=f"{where}: Markov head type {head_type!r} is not supported (only 'vanilla')")
+    if first_slot not in (0, 1):
+        raise ModelUnavailable(message=f"{where}: logits_start must be 0 or 1, got {first_slot}")
+    with_markov = bool(extra.get("confidence_head_with_markov", False))
+    if with_markov and rank == 0:
+        raise ModelUnavailable(message=f"{where}: confidence_head_with_markov needs markov_rank > 0")
+    return DSparkConfig(
+        backbone=backbone,
+        packaging=packaging,
+        first_draft_slot=first_slot,
+        markov_rank=rank,
+        markov_head_type=head_type,
+        confidence_head=bool(extra.get("enable_confidence_head", False)),
+        confidence_with_markov=with_markov,
+        draft_vocab_size=int(draft_vocab) if draft_vocab else None,
+        input_embedding_scale=extra.get("input_embedding_scale"),
+        output_multiplier=extra.get("output_multiplier"),
+        final_logit_softcapping=extra.get("final_logit_softcapping"),
+    )

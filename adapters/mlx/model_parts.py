@@ -1,0 +1,147 @@
+"""Accessors over an mlx-lm target model: token embedding (with the family's scale), LM head, sizes.
+
+Drafters bind the target's embedding and head; every family difference (Gemma's sqrt(H) embedding scale,
+tied heads, final-logit softcaps, output multipliers, multimodal wrappers) is resolved here, once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+
+# Families whose decoder multiplies token embeddings by sqrt(hidden_size) before the first layer.
+_SQRT_H_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma4", "gemma4_text", "recurrent_gemma")
+# gemma3_text rounds the scale through bfloat16 (so must we, to feed the drafter the same vector).
+_BF16_ROUNDED_SCALE = ("gemma3", "gemma3_text")
+
+
+def _owner(model: nn.Module) -> nn.Module:
+    """The module holding `args`, the decoder and the head (unwraps multimodal `language_model`)."""
+    inner = model
+    while "language_model" in inner and isinstance(inner["language_model"], nn.Module):
+        inner = inner["language_model"]
+    return inner
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder that owns `embed_tokens`, `layers` and the final norm."""
+    owner = _owner(model)
+    if "model" in owner and isinstance(owner["model"], nn.Module):
+        return owner["model"]
+    return owner
+
+
+def model_args(model: nn.Module) -> Any:
+    """The text model's argument object (a dataclass in mlx-lm)."""
+    owner = _owner(model)
+    args = getattr(owner, "args", None)
+    if args is None:
+        args = getattr(_decoder(model), "args", None)
+    if args is None:
+        raise TypeError(f"{type(model).__name__} exposes no `args`; not an mlx-lm model")
+    return args
+
+
+def model_type(model: nn.Module) -> str:
+    """The HF `model_type` of the text model (e.g. "qwen3", "gemma3_text")."""
+    return str(getattr(model_args(model), "model_type", "") or getattr(_owner(model), "model_type", ""))
+
+
+def hidden_size(model: nn.Module) -> int:
+    """Width of the residual stream."""
+    return int(model_args(model).hidden_size)
+
+
+def num_layers(model: nn.Module) -> int:
+    """Number of decoder layers (the range of valid target layer ids)."""
+    return len(_decoder(model).layers)
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Rows of the LM head output (= rows of the embedding table)."""
+    args = model_args(model)
+    v = getattr(args, "vocab_size", None)
+    if v:
+        return int(v)
+    return int(_decoder(model).embed_tokens.weight.shape[0])
+
+
+def embed_scale(model: nn.Module) -> float:
+    """The factor the family applies to token embeddings before the first layer (1.0 for most)."""
+    kind = model_type(model)
+    args = model_args(model)
+    if kind in _SQRT_H_FAMILIES:
+        scale = math.sqrt(hidden_size(model))
+        if kind in _BF16_ROUNDED_SCALE:
+            scale = float(mx.array(scale, dtype=mx.bfloat16).astype(mx.float32).item())
+        return scale
+    multiplier = getattr(args, "embedding_multiplier", None)  # granite
+    return float(multiplier) if multiplier else 1.0
+
+
+def embed(model: nn.Module, ids: mx.array) -> mx.array:
+    """Token embeddings exactly as the target's first layer sees them.
+
+    Args:
+        model: the mlx-lm model.
+        ids: integer token ids of any shape.
+
+    Returns:
+        `ids.shape + (hidden,)` embeddings, scaled as the family does.
+    """
+    h = _decoder(model).embed_tokens(ids)
+    scale = embed_scale(model)
+    if scale != 1.0:
+        h = h * mx.array(scale, dtype=h.dtype)
+    return h
+
+
+def head_projection(model: nn.Module, h: mx.array) -> mx.array:
+    """The bare vocabulary projection of final-normed hidden states (tied or untied), no post-processing."""
+    owner = _owner(model)
+    if "lm_head" in owner and isinstance(owner["lm_head"], nn.Module):
+        return owner["lm_head"](h)
+    return _decoder(model).embed_tokens.as_linear(h)
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """The family's tanh cap on final logits (Gemma 2/4), or None."""
+    cap = getattr(model_args(model), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def output_scale(model: nn.Module) -> float:
+    """The family's multiplier on final logits (Cohere `logit_scale`, Granite `1/logits_scaling`)."""
+    args = model_args(model)
+    kind = model_type(model)
+    if kind.startswith("cohere"):
+        return float(getattr(args, "logit_scale", 1.0) or 1.0)
+    div = getattr(args, "logits_scaling", None)
+    return 1.0 / float(div) if div else 1.0
+
+
+def softcap(logits: mx.array, cap: float | None) -> mx.array:
+    """tanh(l / cap) · cap, or the logits unchanged when cap is None."""
+    if not cap:
+        return logits
+    return mx.tanh(logits / cap) * cap
+
+
+def lm_head(model: nn.Module, h: mx.array) -> mx.array:
+    """Logits exactly as the target computes them from final-normed hidden states.
+
+    Args:
+        model: the mlx-lm model.
+        h: final-normed hidden states `[..., hidden]`.
+
+    Returns:
+        `[..., vocab]` logits, with the family's output multiplier and softcap applied.
+    """
+    out = head_projection(model, h)
+    scale = output_scale(model)
+    if scale != 1.0:
+        out = out * scale
+    return softcap(out, final_logit_softcap(model))
