@@ -1,0 +1,337 @@
+"""The ModelLoader port: embedded defaults, GGUF files, local mlx-lm directories and Hugging Face repo ids.
+
+Every target ends as an mlx-lm directory loaded by mlx-lm; GGUF files are converted once into the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+from mlx_dspark.adapters.hf import default_models
+from mlx_dspark.adapters.hf.cache import cache_root
+from mlx_dspark.adapters.hf.gguf import converted_dir
+from mlx_dspark.adapters.hf.resolve import looks_like_path, model_identity, resolve_snapshot
+from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
+from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
+
+# What an mlx-lm checkpoint needs from a hub snapshot (mlx-lm fetches the same set).
+MLX_PATTERNS = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja")
+DRAFTER_KINDS = ("dflash", "dspark")
+_DEFAULT_CONTEXT = 4096
+_PACKAGED_DRAFTERS = Path(__file__).parent / "drafters_data"
+
+
+class ModelOptions(Protocol):
+    """The part of ModelSettings the loader reads (adapters do not import application)."""
+
+    @property
+    def trust_remote_code(self) -> bool: ...
+
+    @property
+    def cache_dir(self) -> str | None: ...
+
+
+@attrs.frozen(kw_only=True)
+class Checkpoint:
+    """An mlx-lm model loaded from disk, before it is wrapped for the engine.
+
+    Attributes:
+        name: what was asked for.
+        identity: see `resolve.model_identity`.
+        path: the mlx-lm directory it was loaded from.
+        model: the mlx-lm `nn.Module`.
+        tokenizer: the mlx-lm `TokenizerWrapper`.
+        config: the checkpoint's config.json.
+    """
+
+    name: str
+    identity: str
+    path: Path
+    model: Any
+    tokenizer: Any
+    config: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class HfLoadedModel:
+    """What `load_target` returns: field for field the application's `LoadedModel`.
+
+    Adapters may not import the application layer, so the loader returns this structural twin; use cases
+    only read its attributes. See `LoadedModel` for the meaning of each field.
+    """
+
+    name: str
+    identity: str
+    target: Any
+    tokenizer: HfTokenizer
+    context_window: int
+    family: str
+    handle: Any = None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(message=f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelUnavailable(message=f"{path} is not a JSON object")
+    return data
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file starting with the GGUF magic."""
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def check_safetensors(path: Path) -> None:
+    """Check that a safetensors file's header parses and its data fits the file (catches truncation).
+
+    Raises:
+        ModelUnavailable: the file is truncated or not safetensors.
+    """
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(fh.read(header_len))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ModelUnavailable(message=f"weights file {path} is not valid safetensors (corrupt?): {exc}") from exc
+    if 8 + header_len + end > size:
+        raise ModelUnavailable(
+            message=f"weights file {path} is truncated: its tensors need {8 + header_len + end} bytes, "
+            f"the file has {size}"
+        )
+
+
+def remote_code_reasons(path: Path) -> list[str]:
+    """Why a checkpoint directory would run code it ships (auto_map, model_file, *.py files); empty if none."""
+    reasons: list[str] = []
+    for name in ("config.json", "tokenizer_config.json"):
+        file = path / name
+        if file.is_file():
+            data = _read_json(file)
+            if "auto_map" in data:
+                reasons.append(f"{name} has auto_map")
+            if name == "config.json" and data.get("model_file"):
+                reasons.append(f"config.json names model_file {data['model_file']!r}")
+    reasons += [f"ships {p.name}" for p in sorted(path.glob("*.py"))]
+    return reasons
+
+
+def check_mlx_dir(path: Path, *, trust_remote_code: bool) -> dict[str, Any]:
+    """Validate an mlx-lm checkpoint directory before loading it and return its config.
+
+    Raises:
+        ModelUnavailable: missing config/weights/tokenizer, corrupt weights, unknown architecture, or
+            remote code without `trust_remote_code`.
+    """
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelUnavailable(message=f"{path} is not an mlx-lm/Hugging Face checkpoint: config.json is missing")
+    config = _read_json(config_file)
+    reasons = remote_code_reasons(path)
+    if reasons and not trust_remote_code:
+        raise ModelUnavailable(
+            message=f"{path} needs code it ships to load ({'; '.join(reasons)}); refusing. "
+            "Set trust_remote_code (--trust-remote-code / MLX_DSPARK_TRUST_REMOTE_CODE=1) if you trust it."
+        )
+    weights = sorted(path.glob("model*.safetensors"))
+    if not weights:
+        raise ModelUnavailable(message=f"{path} has no weights (model*.safetensors)")
+    for file in weights:
+        check_safetensors(file)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelUnavailable(message=f"{path} has no tokenizer (tokenizer.json / tokenizer.model)")
+    if "model_type" not in config:
+        raise ModelUnavailable(message=f"{config_file} has no model_type")
+    if not config.get("model_file"):
+        from mlx_lm.utils import _get_classes
+
+        try:
+            _get_classes(config)
+        except (ValueError, ImportError) as exc:
+            raise ModelUnavailable(
+                message=f"{path}: architecture {config['model_type']!r} is not supported by mlx-lm ({exc})"
+            ) from exc
+    return config
+
+
+def context_window(config: dict[str, Any], tokenizer: Any) -> int:
+    """The model's context length: config max_position_embeddings (or text_config's), else the tokenizer's."""
+    for source in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10_000_000 else _DEFAULT_CONTEXT
+
+
+def drafter_key(name: str) -> str | None:
+    """The folder name packaged drafters for model `name` live under (embedded name or `org--repo`)."""
+    if name in default_models.EMBEDDED:
+        return name
+    if not looks_like_path(name):
+        return name.replace("/", "--")
+    return None
+
+
+def packaged_drafters(name: str, cache_dir: Path) -> dict[str, Path]:
+    """Drafter checkpoints shipped or installed for model `name`, by kind.
+
+    Looked up (first hit wins) in `adapters/hf/drafters_data/<key>/<kind>/` (shipped in the wheel) and
+    `<cache_dir>/drafters/<key>/<kind>/` (installed later), where `<key>` is `drafter_key(name)`. A
+    drafter directory holds a `config.json` and its weights; its format belongs to the drafter adapter.
+    """
+    key = drafter_key(name)
+    found: dict[str, Path] = {}
+    if key is None:
+        return found
+    for root in (_PACKAGED_DRAFTERS, cache_dir / "drafters"):
+        for kind in DRAFTER_KINDS:
+            candidate = root / key / kind
+            if kind not in found and (candidate / "config.json").is_file():
+                found[kind] = candidate
+    return found
+
+
+class HfModelLoader:
+    """ModelLoader over mlx-lm.
+
+    Args:
+        settings: ModelSettings (reads `trust_remote_code` and `cache_dir`).
+        keep_quantized: keep GGUF Q4_0/Q4_1/Q8_0 matrices quantized instead of float32 (smaller; slower
+            on CPUs where MLX's quantized matmul is not BLAS-backed, faster where memory bandwidth rules).
+    """
+
+    def __init__(self, settings: ModelOptions, *, keep_quantized: bool = False) -> None:
+        self._trust = bool(settings.trust_remote_code)
+        self._cache = cache_root(settings.cache_dir)
+        self._keep_quantized = keep_quantized
+
+    @property
+    def cache_dir(self) -> Path:
+        """The mlx-dspark cache root this loader converts into."""
+        return self._cache
+
+    def locate(self, name: str) -> tuple[Path, str]:
+        """The mlx-lm directory for `name` (converting a GGUF if needed) and the model's identity.
+
+        Raises:
+            ModelUnavailable: see `load_checkpoint`.
+        """
+        if name in default_models.EMBEDDED:
+            embedded = default_models.EMBEDDED[name]
+            gguf = default_models.embedded_gguf(name, self._cache)
+            path = converted_dir(gguf, self._cache, keep_quantized=self._keep_quantized, sha256=embedded.sha256)
+            return path, f"{'+'.join(embedded.requirements[:1])}@sha256:{embedded.sha256}"
+        source = resolve_snapshot(name, allow_patterns=MLX_PATTERNS)
+        if source.is_dir() and not (source / "config.json").exists():
+            ggufs = sorted(source.glob("*.gguf"))
+            if len(ggufs) == 1:
+                source = ggufs[0]
+        if source.is_file():
+            if not (source.suffix == ".gguf" or is_gguf(source)):
+                raise ModelUnavailable(message=f"model {name!r}: {source} is neither a GGUF file nor a directory")
+            identity = model_identity(source, cache_dir=self._cache)
+            return converted_dir(source, self._cache, keep_quantized=self._keep_quantized), identity
+        return source, model_identity(source, cache_dir=self._cache)
+
+    def load_checkpoint(self, name: str) -> Checkpoint:
+        """Resolve and load `name` with mlx-lm, without wrapping it for the engine.
+
+        Args:
+            name: "default", "gemma3-270m", a local mlx-lm directory, a GGUF file, or a Hugging Face repo id.
+
+        Raises:
+            ModelUnavailable: not found, corrupt, unsupported architecture, hash mismatch, or remote code refused.
+        """
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from mlx_lm.utils import load_model
+
+        path, identity = self.locate(name)
+        check_mlx_dir(path, trust_remote_code=self._trust)
+        try:
+            model, config = load_model(path, trust_remote_code=self._trust)
+        except (ValueError, RuntimeError, FileNotFoundError, KeyError) as exc:
+            raise ModelUnavailable(message=f"model {name!r}: mlx-lm cannot load {path}: {exc}") from exc
+        try:
+            extra = {"trust_remote_code": True} if self._trust else None
+            tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
+        except Exception as exc:  # transformers raises many types for broken tokenizer files
+            raise ModelUnavailable(message=f"model {name!r}: cannot load the tokenizer in {path}: {exc}") from exc
+        return Checkpoint(name=name, identity=identity, path=path, model=model, tokenizer=tokenizer, config=config)
+
+    def load_target(self, name: str) -> HfLoadedModel:
+        """The model `name` behind the TargetModel port, with its tokenizer.
+
+        Returns:
+            The loaded model (handle = the mlx-lm module).
+
+        Raises:
+            ModelUnavailable: see `load_checkpoint`.
+        """
+        from mlx_dspark.adapters.mlx.target import MlxTargetModel
+
+        ckpt = self.load_checkpoint(name)
+        tokenizer = HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
+        return HfLoadedModel(
+            name=name,
+            identity=ckpt.identity,
+            target=MlxTargetModel(ckpt.model),
+            tokenizer=tokenizer,
+            context_window=context_window(ckpt.config, ckpt.tokenizer),
+            family=str(ckpt.config.get("model_type", "unknown")),
+            handle=ckpt.model,
+        )
+
+    def load_drafter(self, kind: str, spec: str | None, model: Any, *, bits: int | None) -> Any:
+        """A draft source of `kind` bound to `model`.
+
+        Args:
+            kind: "lookup", "dflash" or "dspark".
+            spec: the drafter checkpoint (path or repo id); None uses a packaged drafter for the model.
+            model: the LoadedModel it drafts for.
+            bits: drafter weight precision (None = the drafter adapter's choice).
+
+        Raises:
+            InvalidRequest: an unknown kind.
+            ModelUnavailable: no drafter of that kind can be found for the model.
+            IncompatibleDrafter: the drafter does not fit the target (from the drafter adapter).
+        """
+        if kind == "lookup":
+            from mlx_dspark.domain.drafting.lookup import LookupDraftSource
+
+            return LookupDraftSource()
+        if kind not in DRAFTER_KINDS:
+            raise InvalidRequest(
+                message=f"unknown drafter kind {kind!r} (lookup, {', '.join(DRAFTER_KINDS)})", param="drafter"
+            )
+        if spec is None:
+            found = packaged_drafters(model.name, self._cache).get(kind)
+            if found is None:
+                raise ModelUnavailable(
+                    message=f"no {kind} drafter is packaged for model {model.name!r}; "
+                    "pass one with --drafter <path or repo id>"
+                )
+            spec = str(found)
+        from mlx_dspark.adapters.mlx.drafters import load_drafter
+
+        return load_drafter(kind, spec, model.handle, target=model.target, bits=bits)
+
+    def available_drafters(self, model: Any) -> Sequence[str]:
+        """ "lookup" plus the drafter kinds packaged or installed for `model`."""
+        return ["lookup", *packaged_drafters(model.name, self._cache)]
