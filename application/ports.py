@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.ports import DraftSource, TargetModel
 
 
@@ -77,3 +78,15 @@ class ModelLoader(Protocol):
     def available_drafters(self, model: LoadedModel) -> Sequence[str]:
         """Kinds of draft source that can run on `model` without extra arguments."""
         ...
+
+
+class CalibrationStore(Protocol):
+    """Measured cost curves and auto-mode race results, keyed by full identity (device and MLX version included).
+
+    The adapter adds the device description, the MLX version and a schema version to every key, so an
+    entry measured under another MLX version is never returned.
+    """
+
+    def load(self, key: CalibrationKey) -> Calibration | None: ...
+
+    def save(self, key: CalibrationKey, calibration: Calibration) -> None: ...
