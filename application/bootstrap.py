@@ -5,11 +5,12 @@ Tests pass fakes as keyword overrides; production code calls build(settings) wit
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
 from mlx_dspark.application.generation import MonotonicClock
-from mlx_dspark.application.ports import ModelLoader
+from mlx_dspark.application.ports import CalibrationStore, ModelLoader
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import Clock, TelemetrySink
 
@@ -23,6 +24,7 @@ class Services:
     telemetry: TelemetrySink
     loader: ModelLoader
     extras: dict[str, Any] = attrs.Factory(dict)
+    calibration: CalibrationStore = attrs.Factory(lambda self: _default_calibration(self.settings), takes_self=True)
 
 
 def _default_telemetry() -> TelemetrySink:
@@ -37,6 +39,26 @@ def _default_loader(settings: Settings) -> ModelLoader:
     return HfModelLoader(settings.model)
 
 
+def _calibration_environment() -> dict[str, str]:
+    import platform
+
+    import mlx.core as mx
+
+    machine = f"{platform.system()} {platform.machine()} {platform.processor()} cpus={os.cpu_count()}"
+    return {"device": f"{mx.default_device()} on {machine}", "mlx_version": str(getattr(mx, "__version__", "unknown"))}
+
+
+def _default_calibration(settings: Settings) -> CalibrationStore:
+    from pathlib import Path
+
+    from mlx_dspark.adapters.storage.calibration_store import JsonCalibrationStore
+
+    root = settings.model.cache_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "mlx-dspark"
+    )
+    return JsonCalibrationStore(os.path.join(root, "calibration.json"), _calibration_environment)
+
+
 def build(settings: Settings, **overrides: Any) -> Services:
     """Wire the real adapters, replacing any named in `overrides` (clock, telemetry, loader, extras).
 
@@ -48,4 +70,7 @@ def build(settings: Settings, **overrides: Any) -> Services:
     clock: Clock = overrides.get("clock") or MonotonicClock()
     telemetry: TelemetrySink = overrides.get("telemetry") or _default_telemetry()
     loader: ModelLoader = overrides.get("loader") or _default_loader(settings)
-    return Services(settings=settings, clock=clock, telemetry=telemetry, loader=loader, extras=overrides.get("extras", {}))
+    more = {"calibration": overrides["calibration"]} if overrides.get("calibration") is not None else {}
+    return Services(
+        settings=settings, clock=clock, telemetry=telemetry, loader=loader, extras=overrides.get("extras", {}), **more
+    )
