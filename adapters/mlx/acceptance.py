@@ -75,9 +75,7 @@ def as_q_rows(q: Any, k: int) -> mx.array | None:
     return rows[:k].astype(mx.float32)
 
 
-def speculative_accept(
-    p: mx.array, drafts: mx.array, q: mx.array | None, uniforms: mx.array
-) -> mx.array:
+def speculative_accept(p: mx.array, drafts: mx.array, q: mx.array | None, uniforms: mx.array) -> mx.array:
     """Rejection sampling over one block, on device.
 
     Args:

@@ -1,0 +1,347 @@
+"""MlxTargetModel: the TargetModel port over any mlx-lm model (prefill, verify, exact commit, features).
+
+Hidden states are tapped per instance: each decoder layer of this model object gets a subclass of its own
+class that records its output; nothing in mlx or mlx-lm is patched, and parameter names do not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_dspark.adapters.mlx import caches as cache_ops
+from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
+from mlx_dspark.domain.drafting.block import DraftBlock
+from mlx_dspark.domain.ports import RollbackKind
+from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
+from mlx_dspark.domain.verification.outcome import Acceptance
+
+EMBEDDING_OUTPUT = -1  # capture id of the hidden state that enters decoder layer 0
+_COMPACT_AFTER = 256  # feature chunks kept apart before the already-read ones are merged
+
+
+class _Recorder:
+    """Where tapped layers write the hidden states of one forward (only while `active`)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.wanted: frozenset[int] = frozenset()
+        self.rows: dict[int, mx.array] = {}
+
+
+class _LayerTap:
+    """Attached to one decoder layer instance: records its input (layer 0 only) and output."""
+
+    def __init__(self, recorder: _Recorder, index: int) -> None:
+        self.recorder = recorder
+        self.index = index
+
+    def record(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        rec = self.recorder
+        if not rec.active:
+            return
+        if self.index == 0 and EMBEDDING_OUTPUT in rec.wanted:
+            rec.rows[EMBEDDING_OUTPUT] = (
+                args[0] if args else next(v for v in kwargs.values() if isinstance(v, mx.array))
+            )
+        if self.index in rec.wanted:
+            rec.rows[self.index] = out[0] if isinstance(out, tuple) else out
+
+
+_TAPPED_CLASSES: dict[type, type] = {}
+
+
+def _tapped_class(cls: type) -> type:
+    """A subclass of a decoder-layer class whose calls report to the instance's `_dspark_tap`."""
+    if getattr(cls, "_dspark_tapped", False):
+        return cls
+    sub = _TAPPED_CLASSES.get(cls)
+    if sub is None:
+        original_call = cls.__call__
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original_call(self, *args, **kwargs)
+            self._dspark_tap.record(args, kwargs, out)
+            return out
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "_dspark_tapped": True, "__module__": cls.__module__})
+        _TAPPED_CLASSES[cls] = sub
+    return sub
+
+
+def _model_arg(model: nn.Module, name: str) -> int:
+    """A config value of an mlx-lm model (`args.<name>`, also inside `text_config` or a language model)."""
+    for holder in (model, getattr(model, "language_model", None)):
+        args = getattr(holder, "args", None)
+        if args is None:
+            continue
+        value = getattr(args, name, None)
+        text_config = getattr(args, "text_config", None)
+        if value is None and isinstance(text_config, dict):
+            value = text_config.get(name)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"cannot find {name!r} in the model's config")
+
+
+class _Pending:
+    """The last verify, until its commit."""
+
+    def __init__(self, tokens: list[int], checkpoint: cache_ops.Checkpoint | None, features: mx.array | None):
+        self.tokens = tokens
+        self.checkpoint = checkpoint
+        self.features = features
+
+
+class MlxTargetModel:
+    """The TargetModel port over an mlx-lm model, with exact rollback for every cache kind.
+
+    One request at a time. Rows rejected by a verify are dropped by trimming where that is exact (plain
+    and quantized KV, rotating KV whose window stays complete); otherwise the caches go back to a
+    checkpoint taken before the verify and the kept rows are run again (recurrent layers, a rotating
+    cache that would lose rows it still needs).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        capture_layers: tuple[int, ...] = (),
+        prefill_chunk: int = 512,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+    ) -> None:
+        """Wrap `model` (switched to eval mode) and tap its decoder layers.
+
+        Args:
+            model: an mlx-lm `Model`.
+            capture_layers: decoder-layer outputs to capture (see `configure_capture`).
+            prefill_chunk: prompt tokens per forward during prefill (bounds activation memory).
+            kv_bits: quantize plain KV caches to this many bits (None: full precision).
+            kv_group_size: quantization group size for `kv_bits`.
+        """
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self._model = model
+        model.eval()
+        self._layers = [layer for layer in model.layers if layer is not None]
+        self._hidden = _model_arg(model, "hidden_size")
+        self._vocab = _model_arg(model, "vocab_size")
+        self._prefill_chunk = prefill_chunk
+        self._kv_bits = kv_bits
+        self._kv_group_size = kv_group_size
+        self._recorder = _Recorder()
+        for index, layer in enumerate(self._layers):
+            layer.__class__ = _tapped_class(type(layer))
+            layer._dspark_tap = _LayerTap(self._recorder, index)
+        self._capture: tuple[int, ...] = ()
+        self._caches: list[Any] = []
+        self._plain = True
+        self._offset = 0
+        self._pending: _Pending | None = None
+        self._feature_chunks: list[mx.array] = []
+        self._features_read = 0  # chunks already handed out by take_features
+        self._fresh()
+        self.configure_capture(capture_layers)
+
+    # Properties -----------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped mlx-lm module."""
+        return self._model
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self._capture
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def rollback_kind(self) -> RollbackKind:
+        return RollbackKind.TRIM if self._plain else RollbackKind.SNAPSHOT
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._offset
+
+    # Configuration --------------------------------------------------------------------------------
+
+    def configure_capture(self, layer_ids: tuple[int, ...]) -> None:
+        """Capture these layers' outputs from now on; a change starts from an empty cache.
+
+        Args:
+            layer_ids: 0-based decoder-layer indices, each meaning that layer's output (HF
+                `hidden_states[i + 1]`); -1 is the embedding output. Features concatenate them in
+                this order.
+        """
+        ids = tuple(int(i) for i in layer_ids)
+        for i in ids:
+            if not EMBEDDING_OUTPUT <= i < len(self._layers):
+                raise ValueError(f"layer id {i} is outside [-1, {len(self._layers) - 1}]")
+        if ids == self._capture:
+            return
+        self._capture = ids
+        self._recorder.wanted = frozenset(ids)
+        self.reset(0)
+
+    # The port -------------------------------------------------------------------------------------
+
+    def reset(self, keep: int = 0) -> int:
+        """Drop every cached row past the first `keep`; returns the rows really kept."""
+        if self._pending is not None:
+            self.commit(0)
+        keep = max(0, min(keep, self._offset))
+        drop = self._offset - keep
+        if keep > 0 and cache_ops.can_cut(self._caches, drop):
+            cache_ops.cut(self._caches, drop)
+            self._offset = keep
+            if self._capture:
+                history = self._all_features()
+                self._feature_chunks = [history[:keep]]
+                self._features_read = 0
+        else:
+            self._fresh()
+        return self._offset
+
+    def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
+        """Append `tokens` to the cache in chunks and return the first argmax or sampled token."""
+        if self._pending is not None:
+            raise RuntimeError("prefill while a verify awaits its commit")
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        body, last = tokens[:-1], tokens[-1]
+        for start in range(0, len(body), self._prefill_chunk):
+            piece = body[start : start + self._prefill_chunk]
+            self._recorder.active = bool(self._capture)
+            self._model(mx.array(piece)[None], cache=self._caches)
+            features = self._recorded()
+            # Evaluate chunk by chunk so activation memory stays bounded by the chunk size.
+            mx.eval(cache_ops.cache_arrays(self._caches), [] if features is None else features)
+            self._add_features(features)
+        self._recorder.active = bool(self._capture)
+        logits = self._model(mx.array([last])[None], cache=self._caches)[0, -1]
+        features = self._recorded()
+        token = pick_token(logits, sampling, uniform)
+        mx.eval(token, [] if features is None else features)
+        self._add_features(features)
+        self._offset += len(tokens)
+        return int(token.item())
+
+    def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
+        """Run [anchor, drafts...] in one forward and decide acceptance on device (one host sync)."""
+        if self._pending is not None:
+            raise RuntimeError("verify while the previous verify awaits its commit")
+        drafts = list(block.tokens)
+        k = len(drafts)
+        tokens = [anchor, *drafts]
+        checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
+        self._recorder.active = bool(self._capture)
+        logits = self._model(mx.array(tokens)[None], cache=self._caches)[0]
+        features = self._recorded()
+        self._pending = _Pending(tokens, checkpoint, features)
+        extra = [] if features is None else [features]
+        if sampling.greedy:
+            best = mx.argmax(logits, axis=-1)
+            mx.eval(best, extra)
+            return longest_accepted_prefix(drafts, best.tolist())
+        verdict = accept_block(
+            logits,
+            mx.array(drafts, dtype=mx.int32),
+            as_q_rows(block.q, k),
+            mx.array(list(uniforms[: k + 1]), dtype=mx.float32),
+            sampling,
+        )
+        mx.eval(verdict, extra)
+        accepted, next_token = verdict.tolist()
+        return Acceptance(accepted=accepted, next_token=next_token)
+
+    def commit(self, keep_rows: int) -> None:
+        """Keep the first `keep_rows` rows of the last verify, exactly undoing the rest."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("commit without a verify")
+        width = len(pending.tokens)
+        if not 0 <= keep_rows <= width:
+            raise ValueError(f"keep_rows must be in [0, {width}], got {keep_rows}")
+        drop = width - keep_rows
+        if drop and cache_ops.can_cut(self._caches, drop):
+            cache_ops.cut(self._caches, drop)
+        elif drop:
+            self._rewind(pending, width)
+            if keep_rows:
+                self._replay(pending.tokens[:keep_rows])
+        self._offset += keep_rows
+        if pending.features is not None and keep_rows:
+            self._add_features(pending.features[:keep_rows])
+
+    def take_features(self) -> mx.array | None:
+        """Features of the rows committed since the last call: float32 [rows, len(capture) * hidden].
+
+        Rows are in position order; after `reset(keep)` the next call returns all kept rows. None
+        when no layers are configured.
+        """
+        if not self._capture:
+            return None
+        unread = self._feature_chunks[self._features_read :]
+        self._features_read = len(self._feature_chunks)
+        if len(self._feature_chunks) > _COMPACT_AFTER:
+            self._feature_chunks = [mx.concatenate(self._feature_chunks, axis=0)]
+            self._features_read = 1
+        if not unread:
+            return mx.zeros((0, len(self._capture) * self._hidden), dtype=mx.float32)
+        rows = unread[0] if len(unread) == 1 else mx.concatenate(unread, axis=0)
+        return rows.astype(mx.float32)
+
+    # Internals ------------------------------------------------------------------------------------
+
+    def _fresh(self) -> None:
+        self._caches = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
+        self._plain = cache_ops.all_cut_by_offset(self._caches)
+        self._offset = 0
+        self._feature_chunks = []
+        self._features_read = 0
+
+    def _recorded(self) -> mx.array | None:
+        """The captured rows of the forward that just ran, [rows, len(capture) * hidden], and stop recording."""
+        rec = self._recorder
+        rec.active = False
+        if not self._capture:
+            return None
+        parts = [rec.rows[i][0] for i in self._capture]
+        rec.rows = {}
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def _add_features(self, rows: mx.array | None) -> None:
+        if rows is not None and rows.shape[0]:
+            self._feature_chunks.append(rows)
+
+    def _all_features(self) -> mx.array:
+        if not self._feature_chunks:
+            return mx.zeros((0, len(self._capture) * self._hidden), dtype=mx.float32)
+        return mx.concatenate(self._feature_chunks, axis=0)
+
+    def _rewind(self, pending: _Pending, width: int) -> None:
+        """Put every cache back as it was before the verify."""
+        if pending.checkpoint is not None:
+            pending.checkpoint.restore()
+        cache_ops.trim_offset_caches(self._caches, width)
+
+    def _replay(self, tokens: list[int]) -> None:
+        """Run kept rows again after a rewind; their logits are never read, so the head is not computed."""
+        self._recorder.active = False
+        self._model(mx.array(tokens)[None], cache=self._caches)
