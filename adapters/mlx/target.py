@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.domain.drafting.block import DraftBlock
@@ -62,12 +62,14 @@ def _tapped_class(cls: type) -> type:
     if sub is None:
         original_call = cls.__call__
 
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def tapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = original_call(self, *args, **kwargs)
             self._dspark_tap.record(args, kwargs, out)
             return out
 
-        sub = type(cls.__name__, (cls,), {"__call__": __call__, "_dspark_tapped": True, "__module__": cls.__module__})
+        sub = type(
+            cls.__name__, (cls,), {"__call__": tapped_call, "_dspark_tapped": True, "__module__": cls.__module__}
+        )
         _TAPPED_CLASSES[cls] = sub
     return sub
 

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 VOCAB = 192
