@@ -1,0 +1,119 @@
+"""`--mode auto` on fakes with controlled costs: the race picks the faster source, the result is cached,
+output stays lossless, and the online switcher moves to a source that is really faster."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlx_dspark.application.auto_mode import (
+    SwitchingCap,
+    SwitchingDraftSource,
+    cap_policy_factory,
+    measure_and_choose,
+)
+from mlx_dspark.application.calibration import CalibrationPlan
+from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.domain.costmodel.draft_cap import FixedCap, MeasuredCap
+from mlx_dspark.domain.events import CapChanged, TokensCommitted
+from mlx_dspark.domain.tokens import SamplingParams, StopRule
+
+from tests.integration.calibration.timed_fakes import (
+    ManualClock,
+    MemoryStore,
+    TimedSource,
+    TimedTarget,
+    flat,
+    linear,
+    loaded,
+)
+
+PLAN = CalibrationPlan(depth=32, deep_depth=96, repeats=2, overhead_tokens=4)
+GREEDY = SamplingParams()
+
+
+def setup(cost=None):  # type: ignore[no-untyped-def]
+    clock = ManualClock()
+    target = TimedTarget(clock, cost or flat(0.05))
+    return clock, target
+
+
+def test_race_picks_the_faster_source_and_caches_it() -> None:
+    clock, target = setup()
+    fast = TimedSource(target, lambda cap: 0.001 * cap, block=6, name="fast")
+    slow = TimedSource(target, lambda cap: 0.2, block=6, name="slow")  # right, but drafting costs 4 verifies
+    store = MemoryStore()
+    cands = {"slow": slow, "fast": fast, "none": None}
+    choice = measure_and_choose(store, loaded(target), cands, clock, plan=PLAN, race_tokens=16, online=False)
+    assert choice.mode == "fast" and choice.source is fast and not choice.from_cache
+    assert choice.rates["fast"] > choice.rates["none"] > choice.rates["slow"]
+    assert choice.cap_policy_factory is not None and isinstance(choice.cap_policy_factory(), MeasuredCap)
+    again = measure_and_choose(store, loaded(target), cands, clock, plan=PLAN, race_tokens=16, online=False)
+    assert again.from_cache and again.mode == "fast"
+
+
+def test_plain_decoding_wins_when_speculation_cannot() -> None:
+    clock, target = setup(linear(0.05))
+    src = TimedSource(target, lambda cap: 0.001, block=6, name="lookup")
+    choice = measure_and_choose(
+        MemoryStore(), loaded(target), {"lookup": src, "none": None}, clock, plan=PLAN, race_tokens=16, online=False
+    )
+    assert choice.mode == "none" and choice.source is None and choice.cap_policy_factory is None
+
+
+def test_wrong_drafter_loses_to_plain() -> None:
+    clock, target = setup()
+    wrong = TimedSource(target, lambda cap: 0.01, right=lambda r, i: False, block=6, name="wrong")
+    choice = measure_and_choose(
+        MemoryStore(), loaded(target), {"wrong": wrong, "none": None}, clock, plan=PLAN, race_tokens=16, online=False
+    )
+    assert choice.mode == "none"
+
+
+def run(target: TimedTarget, prompt: Sequence[int], clock: ManualClock, source=None, policy=None, n=24):  # type: ignore[no-untyped-def]
+    out, decisions = [], []
+    stop = StopRule(max_tokens=n, eos_ids=frozenset())
+    for ev in decode(target, prompt, GREEDY, stop, clock, source=source, cap_policy=policy):
+        if isinstance(ev, TokensCommitted):
+            out.extend(ev.tokens)
+        elif isinstance(ev, CapChanged):
+            decisions.append(ev)
+    return out, decisions
+
+
+def test_auto_choice_is_lossless() -> None:
+    clock, target = setup()
+    fast = TimedSource(target, lambda cap: 0.001, right=lambda r, i: (r + i) % 3 != 2, block=5, name="fast")
+    choice = measure_and_choose(
+        MemoryStore(), loaded(target), {"fast": fast, "none": None}, clock, plan=PLAN, race_tokens=16
+    )
+    assert isinstance(choice.source, SwitchingDraftSource) and choice.cap_policy_factory is not None
+    for prompt in ([1, 2, 3], [9, 8, 7, 6, 5], [4]):
+        plain, _ = run(target, prompt, clock)
+        spec, _ = run(target, prompt, clock, choice.source, choice.cap_policy_factory())
+        assert spec == plain
+
+
+def test_online_switch_follows_observed_throughput() -> None:
+    clock, target = setup()
+    # The race (seeded rates) says "a" is best, but at run time "a" drafts slowly.
+    a = TimedSource(target, lambda cap: 0.5, block=4, name="a")
+    b = TimedSource(target, lambda cap: 0.001, block=4, name="b")
+    policies = {"a": cap_policy_factory(4, None, 4), "b": cap_policy_factory(4, None, 4)}
+    switching = SwitchingDraftSource({"a": a, "b": b}, policies, {"a": 100.0, "b": 10.0}, explore_every=3)
+    assert switching.current == "a"
+    reasons = []
+    for i in range(12):
+        prompt = [i % 7 + 1, 3, 5]
+        plain, _ = run(target, prompt, clock)
+        spec, decisions = run(target, prompt, clock, switching, SwitchingCap(switching))
+        assert spec == plain
+        reasons += [d.reason for d in decisions]
+    assert switching.current == "b"
+    assert any("source a → b" in r for r in reasons)
+    assert switching.rates()["b"] > switching.rates()["a"]
+
+
+def test_fixed_max_draft_gives_fixed_policy() -> None:
+    policy = cap_policy_factory(3, None, 7)()
+    assert isinstance(policy, FixedCap) and policy.cap(0) == 3
+    assert cap_policy_factory(12, None, 7)().cap(0) == 7
