@@ -1,1 +1,6 @@
-"""Model-family codecs: render conversations through chat templates and parse text, thinking and tool calls."""
+"""Model-family codecs: render neutral conversations through a chat template, parse output incrementally."""
+
+from mlx_dspark.adapters.families.base import FamilyCodec, RenderedPrompt, StreamParser
+from mlx_dspark.adapters.families.select import select_codec
+
+__all__ = ["FamilyCodec", "RenderedPrompt", "StreamParser", "select_codec"]

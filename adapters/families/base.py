@@ -1,0 +1,384 @@
+"""Shared machinery of family codecs: conversation → template messages, and an incremental output parser.
+
+A family codec differs only in its markers and in how one call is written and read; the streaming state
+machine (text / thinking / tool call, holding back partial markers) is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+from mlx_dspark.adapters.families.validation import ArgumentValidator
+from mlx_dspark.domain.chat import (
+    ChatEvent,
+    Conversation,
+    Message,
+    ReasoningDelta,
+    Role,
+    TextDelta,
+    ToolCall,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+)
+
+# (name, arguments) pairs read from one tool-call block, or None when the block is not a call.
+ParsedCalls = list[tuple[str, Any]] | None
+MID_SYSTEM_TAG = "system"
+
+
+class ChatTemplate(Protocol):
+    """The part of the tokenizer a codec uses (structurally the application's Tokenizer port)."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
+
+
+@attrs.frozen(kw_only=True)
+class RenderedPrompt:
+    """The prompt text and whether it leaves the model inside an open thinking block."""
+
+    text: str
+    starts_in_thinking: bool
+
+
+class FamilyCodec:
+    """Renders conversations for one model family and parses its output.
+
+    Subclasses set the markers and implement `parse_calls` and `format_call`.
+
+    Args:
+        native_tools: the chat template renders `tools`, assistant `tool_calls` and `tool` turns itself;
+            otherwise tools go into the system prompt as text and tool history is written out as text.
+        think: the (open, close) thinking markers, or None when the family does not think.
+        calls_in_content: put earlier tool calls into the assistant content as text even with native
+            tools (templates that only print `content`).
+    """
+
+    name = "base"
+    tool_start = ""
+    tool_end = ""
+
+    def __init__(
+        self,
+        *,
+        native_tools: bool,
+        think: tuple[str, str] | None = None,
+        calls_in_content: bool = False,
+    ) -> None:
+        self.native_tools = native_tools
+        self.think = think
+        self.calls_in_content = calls_in_content
+
+    # ---- family specifics -------------------------------------------------------------------------
+
+    def parse_calls(self, body: str, validator: ArgumentValidator) -> ParsedCalls:
+        """Read the calls between one pair of tool markers (body excludes the markers)."""
+        raise NotImplementedError
+
+    def format_call(self, call: ToolCall) -> str:
+        """One earlier call written the way the model writes it, markers included."""
+        raise NotImplementedError
+
+    def tools_instructions(self, tools: Sequence[ToolSpec]) -> str:
+        """System-prompt text that offers tools when the template cannot (Hermes style by default)."""
+        lines = "\n".join(json.dumps(_tool_json(t), ensure_ascii=False) for t in tools)
+        return (
+            "# Tools\n\nYou can call functions to help with the request. Their signatures are listed "
+            f"inside <tools></tools>:\n<tools>\n{lines}\n</tools>\n\nTo call a function, reply with a JSON "
+            "object holding its name and arguments inside <tool_call></tool_call> tags, like this:\n"
+            '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n</tool_call>'
+        )
+
+    def tool_result_text(self, message: Message) -> str:
+        """A tool result written into a user turn (templates without tool support)."""
+        return f"<tool_response>\n{message.text}\n</tool_response>"
+
+    # ---- rendering -----------------------------------------------------------------------------------
+
+    def render(
+        self,
+        template: ChatTemplate,
+        conversation: Conversation,
+        *,
+        thinking: bool | None,
+        offer_tools: bool = True,
+    ) -> RenderedPrompt:
+        """The conversation through the tokenizer's chat template, ending with the generation prompt."""
+        tools = conversation.tools if offer_tools else ()
+        messages = self.template_messages(conversation, tools)
+        kwargs: dict[str, Any] = {}
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        text = template.render_chat(
+            messages,
+            tools=[_tool_json(t) for t in tools] if (tools and self.native_tools) else None,
+            add_generation_prompt=True,
+            template_kwargs=kwargs or None,
+        )
+        opened = self.think is not None and text.rstrip().endswith(self.think[0])
+        return RenderedPrompt(text=text, starts_in_thinking=opened)
+
+    def template_messages(self, conversation: Conversation, tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+        """Neutral turns as the OpenAI-style dicts that HF chat templates read.
+
+        Mid-conversation system turns are folded into the neighbouring user turn inside a tag: most
+        templates accept a system message only first, and earlier turns stay byte-identical so the
+        prefix cache still hits.
+        """
+        system = conversation.system
+        if tools and not self.native_tools:
+            system = f"{system}\n\n{self.tools_instructions(tools)}" if system else self.tools_instructions(tools)
+        out: list[dict[str, Any]] = []
+        if system:
+            out.append({"role": "system", "content": system})
+        seen_turn = False
+        for m in conversation.messages:
+            if m.role is Role.SYSTEM:
+                if not seen_turn and out and out[0]["role"] == "system":
+                    out[0]["content"] += "\n\n" + m.text
+                elif not seen_turn:
+                    out.insert(0, {"role": "system", "content": m.text})
+                else:
+                    out.append({"role": "user", "content": f"<{MID_SYSTEM_TAG}>\n{m.text}\n</{MID_SYSTEM_TAG}>"})
+                continue
+            seen_turn = True
+            if m.role is Role.USER:
+                out.append({"role": "user", "content": m.text})
+            elif m.role is Role.ASSISTANT:
+                out.append(self._assistant(m))
+            elif self.native_tools:
+                out.append(
+                    {"role": "tool", "tool_call_id": m.tool_call_id or "", "name": m.tool_name or "", "content": m.text}
+                )
+            else:
+                out.append({"role": "user", "content": self.tool_result_text(m)})
+        return _merge_user_turns(out)
+
+    def _assistant(self, m: Message) -> dict[str, Any]:
+        content = m.text
+        msg: dict[str, Any] = {"role": "assistant"}
+        if m.tool_calls and (not self.native_tools or self.calls_in_content):
+            calls = "\n".join(self.format_call(c) for c in m.tool_calls)
+            content = f"{content}\n{calls}" if content else calls
+        elif m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.thinking:
+            msg["reasoning_content"] = m.thinking
+        msg["content"] = content
+        return msg
+
+    # ---- parsing -------------------------------------------------------------------------------------
+
+    def parser(
+        self,
+        tools: Sequence[ToolSpec],
+        *,
+        starts_in_thinking: bool = False,
+        id_factory: Callable[[], str] | None = None,
+    ) -> StreamParser:
+        """A fresh incremental parser for one turn; no tools = tool markers are plain text."""
+        return StreamParser(self, ArgumentValidator(tuple(tools)), bool(tools), starts_in_thinking, id_factory)
+
+
+def _tool_json(t: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": t.name, "description": t.description, "parameters": dict(t.parameters)},
+    }
+
+
+def _merge_user_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Join adjacent plain user turns (templates that insist on alternation reject two in a row)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if out and m["role"] == "user" and out[-1]["role"] == "user":
+            out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{m['content']}"}
+        else:
+            out.append(dict(m))
+    return out
+
+
+_TEXT, _THINK, _TOOL = "text", "think", "tool"
+
+
+class _Channel:
+    """Text of one kind (visible or reasoning) with whitespace trimmed at block boundaries."""
+
+    def __init__(self, make: Callable[[str], ChatEvent]) -> None:
+        self._make = make
+        self._ws = ""  # trailing whitespace held until more text arrives
+        self.boundary = True  # drop leading whitespace (start of turn, after a marker)
+
+    def put(self, text: str, out: list[ChatEvent]) -> None:
+        if not text:
+            return
+        text = self._ws + text
+        self._ws = ""
+        if self.boundary:
+            text = text.lstrip()
+            if not text:
+                return
+            self.boundary = False
+        body = text.rstrip()
+        self._ws = text[len(body) :]
+        if body:
+            out.append(self._make(body))
+
+    def close(self) -> None:
+        self._ws = ""
+        self.boundary = True
+
+
+class StreamParser:
+    """Splits streamed model text into text, reasoning and validated tool calls.
+
+    Partial markers at the end of a chunk are held back until the next chunk decides them. A call block
+    is buffered until its end marker, then parsed and validated against the tool's schema; anything
+    that fails is passed on as plain text, so a client never sees an invalid call.
+    """
+
+    def __init__(
+        self,
+        codec: FamilyCodec,
+        validator: ArgumentValidator,
+        tools_enabled: bool,
+        starts_in_thinking: bool,
+        id_factory: Callable[[], str] | None,
+    ) -> None:
+        self._codec = codec
+        self._validator = validator
+        self._tools = tools_enabled and bool(codec.tool_start)
+        self._ids = id_factory or (lambda: uuid.uuid4().hex[:24])
+        self._state = _THINK if (starts_in_thinking and codec.think) else _TEXT
+        self._buf = ""
+        self._text = _Channel(TextDelta)
+        self._reason = _Channel(ReasoningDelta)
+        self.calls = 0
+        self.reasoning_text: list[str] = []
+
+    def feed(self, chunk: str) -> list[ChatEvent]:
+        """Events for `chunk` (possibly none while a marker or a call is incomplete)."""
+        self._buf += chunk
+        out: list[ChatEvent] = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[ChatEvent]:
+        """Flush at the end of the turn: an unterminated call is still tried, leftovers become text."""
+        out: list[ChatEvent] = []
+        buf, self._buf = self._buf, ""
+        if self._state == _TOOL:
+            self._complete(buf, out, terminated=False)
+        elif self._state == _THINK:
+            self._put_reasoning(buf, out)
+        else:
+            self._text.put(buf, out)
+        self._state = _TEXT
+        return out
+
+    def _markers(self) -> list[str]:
+        if self._state == _TEXT:
+            ms = [self._codec.think[0]] if self._codec.think else []
+        else:
+            ms = [self._codec.think[1]] if self._codec.think else []
+        if self._tools:
+            ms.append(self._codec.tool_start)  # a call inside unclosed thinking also ends the thinking
+        return ms
+
+    def _step(self, out: list[ChatEvent]) -> bool:
+        if self._state == _TOOL:
+            end = self._buf.find(self._codec.tool_end)
+            if end < 0:
+                return False
+            body, self._buf = self._buf[:end], self._buf[end + len(self._codec.tool_end) :]
+            self._state = _TEXT
+            self._complete(body, out, terminated=True)
+            return True
+        markers = self._markers()
+        hit = _earliest(self._buf, markers)
+        if hit is None:
+            keep = _partial_suffix(self._buf, markers)
+            head, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+            if self._state == _THINK:
+                self._put_reasoning(head, out)
+            else:
+                self._text.put(head, out)
+            return False
+        idx, marker = hit
+        head, self._buf = self._buf[:idx], self._buf[idx + len(marker) :]
+        if self._state == _THINK:
+            self._put_reasoning(head, out)
+            self._reason.close()
+        else:
+            self._text.put(head, out)
+        self._text.close()
+        if marker == self._codec.tool_start and self._tools:
+            self._state = _TOOL
+        elif self._state == _TEXT:
+            self._state = _THINK
+        else:
+            self._state = _TEXT
+        return True
+
+    def _put_reasoning(self, text: str, out: list[ChatEvent]) -> None:
+        n = len(out)
+        self._reason.put(text, out)
+        self.reasoning_text.extend(e.text for e in out[n:] if isinstance(e, ReasoningDelta))
+
+    def _complete(self, body: str, out: list[ChatEvent], *, terminated: bool) -> None:
+        calls = None
+        try:
+            calls = self._codec.parse_calls(body, self._validator)
+        except (ValueError, SyntaxError, TypeError, KeyError, IndexError, RecursionError):
+            calls = None
+        if calls and all(self._validator.valid(name, args) for name, args in calls):
+            for name, args in calls:
+                call_id = self._ids()
+                arguments = json.dumps(args, ensure_ascii=False)
+                out.append(ToolCallStart(index=self.calls, id=call_id, name=name))
+                out.append(ToolCallArgsDelta(index=self.calls, delta=arguments))
+                out.append(ToolCallEnd(index=self.calls, id=call_id, name=name, arguments=arguments))
+                self.calls += 1
+            return
+        raw = self._codec.tool_start + body + (self._codec.tool_end if terminated else "")
+        self._text.boundary = False
+        self._text.put(raw, out)
+
+
+def _earliest(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for m in markers:
+        i = text.find(m)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, m)
+    return best
+
+
+def _partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a marker."""
+    keep = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), keep, -1):
+            if text.endswith(m[:n]):
+                keep = n
+                break
+    return keep

@@ -1,0 +1,46 @@
+"""The neutral chat model: conversations in, output events out; every dialect and family translates to these."""
+
+from mlx_dspark.domain.chat.conversation import (
+    ChatRequest,
+    Conversation,
+    Message,
+    Role,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
+)
+from mlx_dspark.domain.chat.errors import OutputTooLong, PromptTooLong
+from mlx_dspark.domain.chat.events import (
+    ChatEvent,
+    ChatUsage,
+    Finished,
+    FinishReason,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+
+__all__ = [
+    "ChatEvent",
+    "ChatRequest",
+    "ChatUsage",
+    "Conversation",
+    "FinishReason",
+    "Finished",
+    "Message",
+    "OutputTooLong",
+    "PromptTooLong",
+    "ReasoningDelta",
+    "Role",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallArgsDelta",
+    "ToolCallEnd",
+    "ToolCallStart",
+    "ToolChoice",
+    "ToolChoiceMode",
+    "ToolSpec",
+]

@@ -1,0 +1,83 @@
+"""Neutral output events of one chat turn, produced by family parsers and consumed by dialect streams."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+@attrs.frozen
+class TextDelta:
+    """Visible assistant text."""
+
+    text: str
+
+
+@attrs.frozen
+class ReasoningDelta:
+    """Thinking text."""
+
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class ToolCallStart:
+    """A validated tool call begins; `index` counts calls in this turn from 0."""
+
+    index: int
+    id: str
+    name: str
+
+
+@attrs.frozen(kw_only=True)
+class ToolCallArgsDelta:
+    """A fragment of the call's JSON arguments; the fragments of one call concatenate to valid JSON."""
+
+    index: int
+    delta: str
+
+
+@attrs.frozen(kw_only=True)
+class ToolCallEnd:
+    """The call is complete; `arguments` is its whole JSON object text."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+class FinishReason(enum.Enum):
+    """Why a turn ended; every dialect maps these onto its own standard set."""
+
+    END_TURN = "end_turn"
+    MAX_TOKENS = "max_tokens"
+    STOP_SEQUENCE = "stop_sequence"
+    TOOL_CALLS = "tool_calls"
+
+
+@attrs.frozen(kw_only=True)
+class ChatUsage:
+    """Token accounting of one turn."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    """The turn ended (always the last event)."""
+
+    reason: FinishReason
+    usage: ChatUsage
+    stop_sequence: str | None = None
+
+
+ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | Finished
