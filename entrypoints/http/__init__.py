@@ -1,1 +1,1 @@
-"""The Litestar app: one router per dialect, admin and dashboard routes."""
+"""The HTTP entrypoint: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages on one port."""

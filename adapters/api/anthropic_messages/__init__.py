@@ -1,1 +1,1 @@
-"""Anthropic Messages: wire types, codec, SSE stream state machine and errors."""
+"""Anthropic Messages: wire types, codec to and from the neutral chat model, the SSE stream, error envelopes."""

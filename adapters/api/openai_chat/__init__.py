@@ -1,1 +1,1 @@
-"""OpenAI Chat Completions: wire types, codec, SSE stream state machine and errors."""
+"""OpenAI Chat Completions: wire types, codec to and from the neutral chat model, the SSE stream, errors."""

@@ -1,1 +1,1 @@
-"""OpenAI Responses: wire types, codec, SSE stream state machine and errors."""
+"""OpenAI Responses: wire types, codec to and from the neutral chat model, the SSE stream, errors."""

@@ -1,0 +1,167 @@
+"""Helpers every dialect uses: a strict cattrs converter, path-aware request errors, SSE framing, ids.
+
+Dialects may import this module but never each other.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import cattrs
+from cattrs.v import format_exception
+from mlx_dspark.domain.errors import InvalidRequest
+
+T = TypeVar("T")
+
+
+class WireValueError(ValueError):
+    """A value the wire types reject with a message of our own (kept verbatim in the 400)."""
+
+
+def _strict_str(v: Any, _: Any) -> str:
+    if not isinstance(v, str):
+        raise WireValueError(f"expected a string, got {_json_type(v)}")
+    return v
+
+
+def _strict_int(v: Any, _: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise WireValueError(f"expected an integer, got {_json_type(v)}")
+    return v
+
+
+def _strict_float(v: Any, _: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise WireValueError(f"expected a number, got {_json_type(v)}")
+    return float(v)
+
+
+def _strict_bool(v: Any, _: Any) -> bool:
+    if not isinstance(v, bool):
+        raise WireValueError(f"expected a boolean, got {_json_type(v)}")
+    return v
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number"
+    )
+
+
+def strict_converter() -> cattrs.Converter:
+    """A converter that ignores unknown keys but never coerces types ("3" is not an int)."""
+    conv = cattrs.Converter(forbid_extra_keys=False)
+    conv.register_structure_hook(str, _strict_str)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(Any, lambda v, _: v)
+    return conv
+
+
+def register_tagged(conv: cattrs.Converter, union: Any, tags: Mapping[str, type], what: str) -> None:
+    """Structure `union` by its "type" key; an unknown type is a clear error naming it."""
+
+    def hook(v: Any, _: Any) -> Any:
+        if not isinstance(v, dict):
+            raise WireValueError(f"expected {what} object, got {_json_type(v)}")
+        tag = v.get("type")
+        cls = tags.get(tag) if isinstance(tag, str) else None
+        if cls is None:
+            known = ", ".join(sorted(tags))
+            raise WireValueError(f"unknown {what} type {tag!r} (supported: {known})")
+        return conv.structure(v, cls)
+
+    conv.register_structure_hook(union, hook)
+
+
+def register_text_or_list(conv: cattrs.Converter, union: Any, item: Any) -> None:
+    """Structure `str | list[item]` (content that is either a string or a list of blocks)."""
+
+    def hook(v: Any, _: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            return conv.structure(v, list[item])
+        raise WireValueError(f"expected a string or an array, got {_json_type(v)}")
+
+    conv.register_structure_hook(union, hook)
+
+
+def _format(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, WireValueError):
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def structure(conv: cattrs.Converter, data: Any, cls: type[T]) -> T:
+    """`data` as `cls`.
+
+    Raises:
+        InvalidRequest: with every problem and its JSON path (e.g. `expected a string @ $.messages[0].role`).
+    """
+    if not isinstance(data, dict):
+        raise InvalidRequest(message=f"the request body must be a JSON object, got {_json_type(data)}")
+    try:
+        return conv.structure(data, cls)
+    except cattrs.BaseValidationError as exc:
+        problems = cattrs.transform_error(exc, path="$", format_exception=_format)
+        first = problems[0] if problems else str(exc)
+        param = first.rsplit(" @ $.", 1)[1] if " @ $." in first else None
+        raise InvalidRequest(message="invalid request: " + "; ".join(problems), param=param) from exc
+    except (WireValueError, TypeError, ValueError) as exc:
+        raise InvalidRequest(message=f"invalid request: {exc}") from exc
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON.
+
+    Raises:
+        InvalidRequest: empty or malformed JSON (with the position of the error).
+    """
+    if not raw.strip():
+        raise InvalidRequest(message="the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(message=f"the request body is not valid JSON: {exc}") from exc
+
+
+def sse(data: Mapping[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event: optional `event:` line, one `data:` line, blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def loads_arguments(text: str) -> dict[str, Any]:
+    """Tool-call arguments sent back by a client as a JSON string (empty = no arguments).
+
+    Raises:
+        InvalidRequest: not a JSON object.
+    """
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(message=f"tool call arguments are not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(message="tool call arguments must be a JSON object")
+    return value
+
+
+Factory = Callable[[], str]

@@ -1,0 +1,213 @@
+"""The engine: one thread owns all MLX work; async callers submit jobs and read their results from queues.
+
+HTTP handlers never touch the model. Each job is a function of the engine's Generator returning an
+iterator; its items travel to the caller's asyncio queue through `loop.call_soon_threadsafe`. Cancelling a
+job (client disconnect) closes its iterator at the next item, which stops the decode loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+import attrs
+import structlog
+from mlx_dspark.application.generation import Generator
+from mlx_dspark.domain.errors import CapacityExceeded
+
+T = TypeVar("T")
+Work = Callable[[Generator], Iterator[T]]
+_log = structlog.get_logger("mlx_dspark.engine")
+
+
+@attrs.define(auto_exc=True, kw_only=True)
+class EngineDown(CapacityExceeded):
+    """The engine thread is not running (the model failed to load, or the thread died)."""
+
+
+_ITEM, _ERROR, _END = "item", "error", "end"
+
+
+class EngineJob(Generic[T]):
+    """One submitted job as seen from the event loop: iterate it, or cancel it."""
+
+    def __init__(self, work: Work[T], loop: asyncio.AbstractEventLoop) -> None:
+        self.work = work
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.finished = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop the job at its next item (safe from any thread, idempotent)."""
+        self._cancelled.set()
+
+    def _push(self, kind: str, value: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
+        except RuntimeError:  # the caller's loop is gone: nobody is listening any more
+            self._cancelled.set()
+
+    async def next(self, timeout: float | None = None) -> T:
+        """The next item.
+
+        Raises:
+            StopAsyncIteration: the job is done.
+            TimeoutError: nothing arrived within `timeout` seconds (the job goes on).
+            Exception: whatever the job raised.
+        """
+        if self.finished:
+            raise StopAsyncIteration
+        if timeout is None:
+            kind, value = await self._queue.get()
+        else:
+            kind, value = await asyncio.wait_for(self._queue.get(), timeout)
+        if kind == _END:
+            self.finished = True
+            raise StopAsyncIteration
+        if kind == _ERROR:
+            self.finished = True
+            raise value
+        result: T = value
+        return result
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        while True:
+            try:
+                yield await self.next()
+            except StopAsyncIteration:
+                return
+
+
+class Engine:
+    """Owns the Generator and the one thread that runs it.
+
+    Args:
+        generator_factory: builds the Generator (loads the model) on the engine thread.
+        name: the thread's name.
+    """
+
+    def __init__(self, generator_factory: Callable[[], Generator], *, name: str = "mlx-dspark-engine") -> None:
+        self._factory = generator_factory
+        self._jobs: queue.Queue[EngineJob[Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._ready = threading.Event()
+        self._generator: Generator | None = None
+        self.load_error: BaseException | None = None
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._ready.is_set():
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the running job's current item, drop queued jobs, end the thread."""
+        self._stopping = True
+        self._jobs.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (or failed to load)."""
+        return self._ready.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._generator is not None and self.alive
+
+    @property
+    def alive(self) -> bool:
+        """False once the thread has died or failed to load: /health reports 503."""
+        if self.load_error is not None:
+            return False
+        return self._thread.is_alive() or (not self._ready.is_set() and not self._stopping)
+
+    @property
+    def generator(self) -> Generator:
+        """The loaded Generator.
+
+        Raises:
+            EngineDown: not loaded (yet, or ever).
+        """
+        if self._generator is None:
+            raise EngineDown(message=self._down_message())
+        return self._generator
+
+    def _down_message(self) -> str:
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if not self._ready.is_set():
+            return "the model is still loading"
+        return "the inference engine is not running"
+
+    # ---- jobs ---------------------------------------------------------------------------------------------
+
+    def submit(self, work: Work[T], loop: asyncio.AbstractEventLoop | None = None) -> EngineJob[T]:
+        """Queue `work` for the engine thread.
+
+        Raises:
+            EngineDown: the engine is not running.
+        """
+        if not self.alive or self._stopping:
+            raise EngineDown(message=self._down_message())
+        job: EngineJob[T] = EngineJob(work, loop or asyncio.get_running_loop())
+        self._jobs.put(job)
+        return job
+
+    def _main(self) -> None:
+        try:
+            try:
+                self._generator = self._factory()
+            except BaseException as exc:
+                self.load_error = exc
+                _log.error("engine.load_failed", error=str(exc), exc_info=exc)
+                return
+            finally:
+                self._ready.set()
+            _log.info("engine.ready", model=self._generator.model.name, mode=self._generator.mode)
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                self._run(job, self._generator)
+        finally:
+            self._drain()
+
+    def _run(self, job: EngineJob[Any], generator: Generator) -> None:
+        if job.cancelled:
+            job._push(_END, None)
+            return
+        items: Iterator[Any] | None = None
+        try:
+            items = job.work(generator)
+            for item in items:
+                job._push(_ITEM, item)
+                if job.cancelled:
+                    break
+        except Exception as exc:  # a failed request must never take the engine down
+            job._push(_ERROR, exc)
+            return
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+        job._push(_END, None)
+
+    def _drain(self) -> None:
+        """Answer every queued job once the thread is ending, so no caller waits forever."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job._push(_ERROR, EngineDown(message=self._down_message()))

@@ -1,0 +1,103 @@
+"""The Litestar app: three API dialects on one port over one engine thread, plus /health.
+
+`create_app(services, settings)` wires everything; the engine (and so the model load) starts with the
+app's lifespan. Tests pass services built on fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, route
+from litestar.config.cors import CORSConfig
+from litestar.datastructures import State
+from mlx_dspark.application.bootstrap import Services
+from mlx_dspark.application.chat_service import ChatService
+from mlx_dspark.application.engine import Engine
+from mlx_dspark.application.generation import Generator
+from mlx_dspark.application.settings import Settings
+from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support
+
+DEFAULT_MAX_BODY = 64 * 1024 * 1024
+DEFAULT_KEEPALIVE_S = 5.0
+
+
+@get("/health", sync_to_thread=False)
+def health(request: Request[Any, Any, Any]) -> Response[Any]:
+    """200 once the model is loaded; 503 while loading or when the engine is down."""
+    ctx = support.context(request)
+    engine = ctx.engine
+    if engine.ready:
+        generator = engine.generator
+        return Response(content={"status": "ok", "model": generator.model.name, "mode": generator.mode})
+    if engine.alive and not engine.wait_ready(0):
+        return Response(content={"status": "loading"}, status_code=503)
+    error = str(engine.load_error) if engine.load_error else "the inference engine is not running"
+    return Response(content={"status": "error", "error": error}, status_code=503)
+
+
+@route("/", http_method=["GET", "HEAD"], sync_to_thread=False)
+def root() -> Response[Any]:
+    """Some clients probe the base URL before their first request."""
+    return Response(content={"status": "ok", "service": "mlx-dspark"})
+
+
+def create_app(
+    services: Services,
+    settings: Settings | None = None,
+    *,
+    engine: Engine | None = None,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+) -> Litestar:
+    """The server app.
+
+    Args:
+        services: wired adapters (a fake loader in tests).
+        settings: the settings tree (defaults to services.settings).
+        engine: an engine to use instead of one that builds the configured Generator.
+        keepalive_s: seconds of engine silence before a dialect keep-alive event.
+        max_body_bytes: the largest accepted request body.
+    """
+    settings = settings or services.settings
+
+    def build() -> Generator:
+        from mlx_dspark.application.modes import build_generator
+
+        return build_generator(services, settings)
+
+    engine = engine or Engine(build)
+    ctx = support.HttpContext(
+        engine=engine,
+        chat=ChatService(services.families, settings.server),
+        settings=settings,
+        keepalive_s=keepalive_s,
+        max_body_bytes=max_body_bytes,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop(timeout=5)
+
+    cors = CORSConfig(allow_origins=list(settings.server.cors_origins)) if settings.server.cors_origins else None
+    return Litestar(
+        route_handlers=[
+            health,
+            root,
+            routes_anthropic.router(),
+            routes_openai_chat.router(),
+            routes_openai_responses.router(),
+        ],
+        lifespan=[lifespan],
+        cors_config=cors,
+        request_max_body_size=None,  # enforced per dialect, so the 413 comes in the dialect's envelope
+        state=State({"ctx": ctx}),
+        openapi_config=None,
+        logging_config=None,
+    )
