@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import attrs
+from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
 from mlx_dspark.application.ports import CalibrationStore, ModelLoader
 from mlx_dspark.application.settings import Settings
@@ -25,6 +26,13 @@ class Services:
     loader: ModelLoader
     extras: dict[str, Any] = attrs.Factory(dict)
     calibration: CalibrationStore = attrs.Factory(lambda self: _default_calibration(self.settings), takes_self=True)
+    families: FamilySelector = attrs.Factory(lambda: _default_families())
+
+
+def _default_families() -> FamilySelector:
+    from mlx_dspark.adapters.families import select_codec
+
+    return select_codec
 
 
 def _default_telemetry() -> TelemetrySink:
@@ -82,6 +90,8 @@ def build(settings: Settings, **overrides: Any) -> Services:
     telemetry: TelemetrySink = overrides.get("telemetry") or _default_telemetry()
     loader: ModelLoader = overrides.get("loader") or _default_loader(settings)
     more = {"calibration": overrides["calibration"]} if overrides.get("calibration") is not None else {}
+    if overrides.get("families") is not None:
+        more["families"] = overrides["families"]
     return Services(
         settings=settings, clock=clock, telemetry=telemetry, loader=loader, extras=overrides.get("extras", {}), **more
     )
