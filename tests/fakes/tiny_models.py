@@ -79,18 +79,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
+def tiny_model(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """A freshly initialized tiny mlx-lm model of `family` (float32, eval mode).
 
     Args:
         family: one of FAMILIES (an mlx-lm `model_type`).
         seed: the MLX random seed used for the weights.
+        **overrides: config fields to change (e.g. head_dim=32 for 32-wide KV quantization groups).
 
     Returns:
         The mlx-lm `Model`, ready for `make_prompt_cache` and generation.
     """
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs.from_dict({"model_type": family, **CONFIGS[family]})
+    args = module.ModelArgs.from_dict({"model_type": family, **CONFIGS[family], **overrides})
     mx.random.seed(seed)
     model = module.Model(args)
     # Wider weights give sharper, input-dependent logits; norms (1-D) stay as they are.
