@@ -1,0 +1,45 @@
+"""`mlx-dspark serve`: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages on one local port."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, settings_from, start
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-dspark serve", description="Serve a model to coding agents and SDKs.")
+    add_model_args(p)
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; anything else exposes the server)")
+    p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--api-key", help="require this key (Bearer or x-api-key) on every route but /health")
+    p.add_argument("--context-window", type=int, help="override the model's context window (tokens)")
+    p.add_argument("--max-tokens-cap", type=int, help="cap every request's max_tokens")
+    p.add_argument(
+        "--cors-origin", dest="cors_origins", action="append", help="allow browser calls from ORIGIN (repeatable)"
+    )
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+
+    def body() -> int:
+        import uvicorn
+        from mlx_dspark.entrypoints.http.app import create_app
+
+        settings = settings_from(args)
+        services = start(settings)
+        server = settings.server
+        if server.host not in LOOPBACK and not server.api_key:
+            sys.stderr.write(f"mlx-dspark: warning: serving on {server.host} without --api-key\n")
+        app = create_app(services, settings)
+        sys.stderr.write(f"mlx-dspark: serving on http://{server.host}:{server.port} (model loads in the background)\n")
+        uvicorn.run(app, host=server.host, port=server.port, log_level="warning", access_log=False)
+        return 0
+
+    return run_guarded(body)
