@@ -32,21 +32,27 @@ class _Recorder:
         self.rows: dict[int, mx.array] = {}
 
 
+class _TapHub:
+    """Shared by the taps of one model: routes recordings to the target that runs the current forward."""
+
+    def __init__(self) -> None:
+        self.recorder = _Recorder()
+
+
 class _LayerTap:
     """Attached to one decoder layer instance: records its input (layer 0 only) and output."""
 
-    def __init__(self, recorder: _Recorder, index: int) -> None:
-        self.recorder = recorder
+    def __init__(self, hub: _TapHub, index: int) -> None:
+        self.hub = hub
         self.index = index
 
     def record(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        rec = self.recorder
+        rec = self.hub.recorder
         if not rec.active:
             return
         if self.index == 0 and EMBEDDING_OUTPUT in rec.wanted:
-            rec.rows[EMBEDDING_OUTPUT] = (
-                args[0] if args else next(v for v in kwargs.values() if isinstance(v, mx.array))
-            )
+            first = args[0] if args else next(v for v in kwargs.values() if isinstance(v, mx.array))
+            rec.rows[EMBEDDING_OUTPUT] = first
         if self.index in rec.wanted:
             rec.rows[self.index] = out[0] if isinstance(out, tuple) else out
 
@@ -136,9 +142,7 @@ class MlxTargetModel:
         self._kv_bits = kv_bits
         self._kv_group_size = kv_group_size
         self._recorder = _Recorder()
-        for index, layer in enumerate(self._layers):
-            layer.__class__ = _tapped_class(type(layer))
-            layer._dspark_tap = _LayerTap(self._recorder, index)
+        self._hub = self._install_taps()
         self._capture: tuple[int, ...] = ()
         self._caches: list[Any] = []
         self._plain = True
@@ -229,14 +233,12 @@ class MlxTargetModel:
         body, last = tokens[:-1], tokens[-1]
         for start in range(0, len(body), self._prefill_chunk):
             piece = body[start : start + self._prefill_chunk]
-            self._recorder.active = bool(self._capture)
-            self._model(mx.array(piece)[None], cache=self._caches)
+            self._forward(piece, record=True)
             features = self._recorded()
             # Evaluate chunk by chunk so activation memory stays bounded by the chunk size.
             mx.eval(cache_ops.cache_arrays(self._caches), [] if features is None else features)
             self._add_features(features)
-        self._recorder.active = bool(self._capture)
-        logits = self._model(mx.array([last])[None], cache=self._caches)[0, -1]
+        logits = self._forward([last], record=True)[0, -1]
         features = self._recorded()
         token = pick_token(logits, sampling, uniform)
         mx.eval(token, [] if features is None else features)
@@ -252,8 +254,7 @@ class MlxTargetModel:
         k = len(drafts)
         tokens = [anchor, *drafts]
         checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
-        self._recorder.active = bool(self._capture)
-        logits = self._model(mx.array(tokens)[None], cache=self._caches)[0]
+        logits = self._forward(tokens, record=True)[0]
         features = self._recorded()
         self._pending = _Pending(tokens, checkpoint, features)
         extra = [] if features is None else [features]
@@ -311,6 +312,26 @@ class MlxTargetModel:
 
     # Internals ------------------------------------------------------------------------------------
 
+    def _install_taps(self) -> _TapHub:
+        """Tap every decoder layer once per model; targets sharing a model share the hub."""
+        existing = getattr(self._layers[0], "_dspark_tap", None) if self._layers else None
+        if isinstance(existing, _LayerTap):
+            return existing.hub
+        hub = _TapHub()
+        for index, layer in enumerate(self._layers):
+            layer.__class__ = _tapped_class(type(layer))
+            layer._dspark_tap = _LayerTap(hub, index)
+        return hub
+
+    def _forward(self, tokens: list[int], record: bool) -> mx.array:
+        """Run tokens after the cached rows; the taps record into this target when `record`."""
+        self._hub.recorder = self._recorder
+        self._recorder.active = record and bool(self._capture)
+        try:
+            return self._model(mx.array(tokens)[None], cache=self._caches)
+        finally:
+            self._recorder.active = False
+
     def _fresh(self) -> None:
         self._caches = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
         self._plain = cache_ops.all_cut_by_offset(self._caches)
@@ -319,9 +340,8 @@ class MlxTargetModel:
         self._features_read = 0
 
     def _recorded(self) -> mx.array | None:
-        """The captured rows of the forward that just ran, [rows, len(capture) * hidden], and stop recording."""
+        """The captured rows of the forward that just ran, [rows, len(capture) * hidden]."""
         rec = self._recorder
-        rec.active = False
         if not self._capture:
             return None
         parts = [rec.rows[i][0] for i in self._capture]
@@ -345,5 +365,4 @@ class MlxTargetModel:
 
     def _replay(self, tokens: list[int]) -> None:
         """Run kept rows again after a rewind; their logits are never read, so the head is not computed."""
-        self._recorder.active = False
-        self._model(mx.array(tokens)[None], cache=self._caches)
+        self._forward(tokens, record=False)
