@@ -1,0 +1,1 @@
+"""Integration tests of the DFlash and DSpark drafters on tiny random targets."""
