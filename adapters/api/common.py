@@ -6,6 +6,7 @@ Dialects may import this module but never each other.
 from __future__ import annotations
 
 import json
+import typing
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -83,7 +84,11 @@ def register_tagged(conv: cattrs.Converter, union: Any, tags: Mapping[str, type]
 def register_text_or_list(conv: cattrs.Converter, union: Any, item: Any) -> None:
     """Structure `str | list[item]` (content that is either a string or a list of blocks)."""
 
+    nullable = type(None) in typing.get_args(union)
+
     def hook(v: Any, _: Any) -> Any:
+        if v is None and nullable:
+            return None
         if isinstance(v, str):
             return v
         if isinstance(v, list):

@@ -40,7 +40,7 @@ async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
 @get(["/v1/models", "/models"])
 async def list_models(request: Request[Any, Any, Any]) -> Response[Any]:
     """The served model; Anthropic's list shape when the caller sends `anthropic-version`."""
-    names = support.context(request).served_names()
+    names = support.context(request).listed_names()
     if "anthropic-version" in request.headers:
         return Response(content=anthropic_codec.models_body(names))
     return Response(content=codec.models_body(names))

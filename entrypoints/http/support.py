@@ -44,7 +44,12 @@ class HttpContext:
     responses: OrderedDict[str, tuple[Message, ...]] = attrs.Factory(OrderedDict)  # previous_response_id store
     responses_limit: int = 64
 
+    def listed_names(self) -> list[str]:
+        """What /v1/models lists: the loaded model's name (the configured one while loading)."""
+        return [self.engine.generator.model.name if self.engine.ready else self.settings.model.model]
+
     def served_names(self) -> list[str]:
+        """Every name a request may use for the served model (its name, the configured name, its identity)."""
         names = [self.settings.model.model]
         if self.engine.ready:
             model = self.engine.generator.model
