@@ -1,64 +1,19 @@
-"""Ports only use cases call: tokenizers, model loading, drafter construction, family codecs."""
+"""Ports only use cases call: model loading, drafter construction, calibration storage.
+
+`Tokenizer` and `LoadedModel` live in the domain (adapters build them) and are re-exported here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
-from mlx_dspark.domain.ports import DraftSource, TargetModel
+from mlx_dspark.domain.model import LoadedModel, Tokenizer
+from mlx_dspark.domain.ports import DraftSource
 
-
-class Tokenizer(Protocol):
-    """Text ↔ token ids and the model's own chat template."""
-
-    @property
-    def eos_ids(self) -> frozenset[int]: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def chat_template(self) -> str | None: ...
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        """The conversation rendered through the tokenizer's chat template (text, not ids)."""
-        ...
-
-
-@attrs.frozen(kw_only=True)
-class LoadedModel:
-    """A target ready to decode, with what use cases need to know about it.
-
-    Attributes:
-        name: what the user asked for ("default", a repo id, a path).
-        identity: a stable identity for cache keys (repo id or path + revision or content hash).
-        target: the model behind the TargetModel port.
-        tokenizer: its tokenizer.
-        context_window: its maximum context length in tokens.
-        family: the model family (HF model_type), which picks the family codec.
-        handle: adapter-private object (the MLX module etc.) that drafter loaders need; opaque here.
-    """
-
-    name: str
-    identity: str
-    target: TargetModel
-    tokenizer: Tokenizer
-    context_window: int
-    family: str
-    handle: Any = None
+__all__ = ["CalibrationStore", "DrafterTrainer", "LoadedModel", "ModelLoader", "Tokenizer", "TrainingTarget"]
 
 
 class ModelLoader(Protocol):
@@ -90,3 +45,68 @@ class CalibrationStore(Protocol):
     def load(self, key: CalibrationKey) -> Calibration | None: ...
 
     def save(self, key: CalibrationKey, calibration: Calibration) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class TrainingTarget:
+    """A target opened for drafter distillation (no decode wrapper: training runs its own forwards).
+
+    Attributes:
+        name: what the user asked for.
+        identity: stable identity (recorded in the model card).
+        tokenizer: its tokenizer.
+        handle: adapter-private model object, passed back to the trainer.
+        tokenizer_size: tokens the tokenizer knows (embedding rows past this are spare).
+        special_ids: the tokenizer's special/added token ids (mask-token candidates).
+        reserved_ids: BOS/PAD/UNK and similar ids that must never be the mask.
+    """
+
+    name: str
+    identity: str
+    tokenizer: Tokenizer
+    handle: Any
+    tokenizer_size: int
+    special_ids: tuple[int, ...] = ()
+    reserved_ids: tuple[int, ...] = ()
+
+
+class DrafterTrainer(Protocol):
+    """The compute side of `train-drafter`: target generation and drafter training (MLX, CPU or GPU)."""
+
+    def open_target(self, name: str) -> TrainingTarget: ...
+
+    def describe(self, target: TrainingTarget) -> Mapping[str, Any]:
+        """num_layers, hidden_size, vocab_size, embedding_rows and device of the target."""
+        ...
+
+    def generate(
+        self,
+        target: TrainingTarget,
+        prompts: Sequence[Sequence[int]],
+        *,
+        eos_ids: Sequence[int],
+        max_new_tokens: int,
+        batch: int,
+        temperatures: Sequence[float],
+        top_p: float,
+        seed: int,
+        time_budget_s: float | None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> list[list[int] | None]:
+        """The target's responses (None where the time budget left one unfinished)."""
+        ...
+
+    def train(
+        self,
+        target: TrainingTarget,
+        plan: Any,
+        sequences: Sequence[tuple[Sequence[int], int]],
+        heldout: Sequence[tuple[Sequence[int], int]],
+        *,
+        out_dir: str,
+        resume: bool,
+        card: Callable[[Mapping[str, Any]], str],
+        progress: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> Mapping[str, Any]:
+        """Train a drafter per `plan` and write its checkpoint (published format + resumable state)."""
+        ...

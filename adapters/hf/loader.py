@@ -18,6 +18,7 @@ from mlx_dspark.adapters.hf.gguf import converted_dir
 from mlx_dspark.adapters.hf.resolve import looks_like_path, model_identity, resolve_snapshot
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
 from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
+from mlx_dspark.domain.model import LoadedModel
 
 # What an mlx-lm checkpoint needs from a hub snapshot (mlx-lm fetches the same set).
 MLX_PATTERNS = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja")
@@ -57,21 +58,6 @@ class Checkpoint:
     config: dict[str, Any]
 
 
-@attrs.frozen(kw_only=True)
-class HfLoadedModel:
-    """What `load_target` returns: field for field the application's `LoadedModel`.
-
-    Adapters may not import the application layer, so the loader returns this structural twin; use cases
-    only read its attributes. See `LoadedModel` for the meaning of each field.
-    """
-
-    name: str
-    identity: str
-    target: Any
-    tokenizer: HfTokenizer
-    context_window: int
-    family: str
-    handle: Any = None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -275,7 +261,7 @@ class HfModelLoader:
             raise ModelUnavailable(message=f"model {name!r}: cannot load the tokenizer in {path}: {exc}") from exc
         return Checkpoint(name=name, identity=identity, path=path, model=model, tokenizer=tokenizer, config=config)
 
-    def load_target(self, name: str) -> HfLoadedModel:
+    def load_target(self, name: str) -> LoadedModel:
         """The model `name` behind the TargetModel port, with its tokenizer.
 
         Returns:
@@ -288,7 +274,7 @@ class HfModelLoader:
 
         ckpt = self.load_checkpoint(name)
         tokenizer = HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
-        return HfLoadedModel(
+        return LoadedModel(
             name=name,
             identity=ckpt.identity,
             target=MlxTargetModel(ckpt.model),

@@ -62,8 +62,10 @@ def _reference_blas_bundled() -> bool:
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
         return False
-    site = Path(next(iter(spec.submodule_search_locations))).parent
-    return bool(glob.glob(str(site / "mlx_cpu.libs" / "libblas-*.so*")))
+    # Several locations when a stray `mlx` folder shadows part of the namespace; check them all.
+    return any(
+        glob.glob(str(Path(loc).parent / "mlx_cpu.libs" / "libblas-*.so*")) for loc in spec.submodule_search_locations
+    )
 
 
 def _cache_dir() -> Path:

@@ -1,0 +1,60 @@
+"""A loaded target as use cases see it, and the Tokenizer port its adapter provides (pure values)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+from mlx_dspark.domain.ports import TargetModel
+
+
+class Tokenizer(Protocol):
+    """Text ↔ token ids and the model's own chat template."""
+
+    @property
+    def eos_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation rendered through the tokenizer's chat template (text, not ids)."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class LoadedModel:
+    """A target ready to decode, with what use cases need to know about it.
+
+    Attributes:
+        name: what the user asked for ("default", a repo id, a path).
+        identity: a stable identity for cache keys (repo id or path + revision or content hash).
+        target: the model behind the TargetModel port.
+        tokenizer: its tokenizer.
+        context_window: its maximum context length in tokens.
+        family: the model family (HF model_type), which picks the family codec.
+        handle: adapter-private object (the MLX module etc.) that drafter loaders need; opaque here.
+    """
+
+    name: str
+    identity: str
+    target: TargetModel
+    tokenizer: Tokenizer
+    context_window: int
+    family: str
+    handle: Any = None
