@@ -30,7 +30,7 @@ def _assemble(tmp: Path) -> Path:
 def _lint(tmp: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(tmp / "src")}
     return subprocess.run(
-        [str(LINT), "--config", str(tmp / "pyproject.toml"), "--no-cache"],
+        [str(LINT), str(tmp / "pyproject.toml"), "--no-cache"],
         cwd=tmp,
         env=env,
         capture_output=True,
