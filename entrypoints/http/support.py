@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ class HttpContext:
     max_body_bytes: int
     responses: OrderedDict[str, tuple[Message, ...]] = attrs.Factory(OrderedDict)  # previous_response_id store
     responses_limit: int = 64
+    stream_outcomes: Counter[str] = attrs.Factory(Counter)  # completed / failed / cancelled streams
 
     def listed_names(self) -> list[str]:
         """What /v1/models lists: the loaded model's name (the configured one while loading)."""
@@ -202,6 +203,7 @@ def sse_response(
             raise
         finally:
             job.cancel()
+            ctx.stream_outcomes[outcome] += 1
             record.emit(200, outcome=outcome)
 
     return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)

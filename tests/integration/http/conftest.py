@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import httpx
@@ -27,6 +28,7 @@ class LiveServer:
     base_url: str
     loader: ScriptedLoader
     api_key: str | None
+    app: Any
 
     def script(self, responder: object) -> None:
         self.loader.target.responder = responder  # type: ignore[assignment]
@@ -58,16 +60,18 @@ def _serve(app: object, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]
         sock.close()
 
 
-def make_server(*, api_key: str | None = None, **app_kwargs: object) -> Iterator[LiveServer]:
+def make_server(
+    *, api_key: str | None = None, cors_origins: list[str] | None = None, **app_kwargs: object
+) -> Iterator[LiveServer]:
     loader = ScriptedLoader(scripts.text, name="local-model", context_window=4096)
-    flags = {"mode": "baseline", "api_key": api_key, "context_window": None}
+    flags = {"mode": "baseline", "api_key": api_key, "cors_origins": cors_origins}
     settings = load_settings({k: v for k, v in flags.items() if v is not None}, environ={})
     services = bootstrap.build(
         settings, loader=loader, telemetry=RecordingTelemetrySink(), clock=FakeClock(), calibration=object()
     )
     app = create_app(services, settings, **app_kwargs)  # type: ignore[arg-type]
     for base, _ in _serve(app):
-        yield LiveServer(base_url=base, loader=loader, api_key=api_key)
+        yield LiveServer(base_url=base, loader=loader, api_key=api_key, app=app)
 
 
 @pytest.fixture(scope="module")

@@ -212,7 +212,7 @@ def test_messages_tool_use_round_trip(live: LiveServer, ant: anthropic.Anthropic
     ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
-    use = [b for b in final.content if b.type == "tool_use"][0]
+    use = next(b for b in final.content if b.type == "tool_use")
     assert use.name == "shell" and use.input == {"command": "echo hi"} and use.id.startswith("toolu_")
     history = [
         *USER,
