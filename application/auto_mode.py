@@ -73,7 +73,7 @@ def race(
     max_tokens: int = 32,
     progress: Progress | None = None,
 ) -> dict[str, float]:
-    """Measured decode tokens per second of each candidate on `prompts` (greedy, one warm-up each).
+    """Measured decode tokens per second of each candidate on `prompts` (greedy, a short warm-up each).
 
     Returns:
         Mode name → decode tokens per second (0.0 when it generated nothing).
@@ -87,7 +87,9 @@ def race(
         for i, prompt in enumerate([prompts[0], *prompts]):
             policy = policies[name]() if source is not None else None
             usage = None
-            for event in decode(model.target, prompt, SamplingParams(), stop, clock, source=source, cap_policy=policy):
+            # The first run is a short warm-up (this source's shapes); the rest are timed.
+            limit = stop if i > 0 else StopRule(max_tokens=min(4, max_tokens), eos_ids=frozenset())
+            for event in decode(model.target, prompt, SamplingParams(), limit, clock, source=source, cap_policy=policy):
                 if isinstance(event, Finished):
                     usage = event.usage
             if i > 0 and usage is not None:  # the first run only warms up
@@ -239,7 +241,7 @@ class AutoChoice:
     """What `--mode auto` runs.
 
     Attributes:
-        mode: the winning mode name ("dspark", "dflash", "lookup", "none").
+        mode: the winning candidate's name ("dspark", "dflash", "lookup", or the plain one, e.g. "baseline").
         source: the draft source to give the Generator (a SwitchingDraftSource when online switching is
             on and there is more than one candidate), or None for plain decoding.
         cap_policy_factory: the per-request cap policy factory (None = plain decoding).
@@ -288,7 +290,7 @@ def measure_and_choose(
     Args:
         store: the calibration store (`services.calibration`).
         model: the loaded target.
-        candidates: mode name → loaded draft source; include "none": None for plain decoding.
+        candidates: mode name → loaded draft source; a name mapped to None (e.g. "baseline") is plain decoding.
         clock: monotonic time (`services.clock`).
         drafter_bits: drafter quantization, part of the cache key.
         max_draft: the parsed `--max-draft` (None = auto).
@@ -303,7 +305,7 @@ def measure_and_choose(
     """
     cands = dict(candidates)
     if not cands:
-        cands = {"none": None}
+        cands = {"baseline": None}
     curves = curves_for(
         store,
         model,
@@ -326,7 +328,8 @@ def measure_and_choose(
     else:
         prompts = race_prompt_ids(model)
         rates = race(model, cands, policies, clock, prompts, max_tokens=race_tokens, progress=progress)
-    winner = max(cands, key=lambda n: (rates.get(n, 0.0), n == "none"))
+    # On a tie plain decoding wins: it needs no drafter memory.
+    winner = max(cands, key=lambda n: (rates.get(n, 0.0), cands[n] is None))
     if not from_cache:
         clean = {n: (r if math.isfinite(r) else 0.0) for n, r in rates.items()}
         store.save(key, Calibration(race=clean, chosen=winner, created=time.time()))

