@@ -74,7 +74,9 @@ class Checkpoint:
 
 def _temporal_rows(cache: RotatingKVCache) -> tuple[mx.array, mx.array]:
     """The keys and values of a rotating cache in temporal order, unused slots dropped."""
-    keys, values, idx, keep = cache.keys, cache.values, cache._idx, cache.keep
+    keys: Any = cache.keys
+    values: Any = cache.values
+    idx, keep = cache._idx, cache.keep
     if idx == keys.shape[2]:
         return keys, values
     if idx < cache.offset:  # the ring has wrapped: [keep rows | oldest (idx:) | newest (keep:idx)]
@@ -134,13 +136,13 @@ def _cut_leaf(cache: Any, n: int, apply: bool) -> bool:
     if n == 0:
         return True
     if cuts_by_offset(cache):
-        ok = n <= cache.offset
+        ok: bool = n <= cache.offset
         if ok and apply:
             cache.trim(n)
         return ok
     if isinstance(cache, RotatingKVCache):
         return _rotating_cut(cache, n, apply)
-    return False
+    return False  # recurrent state and unknown kinds: only a checkpoint undoes them
 
 
 def all_cut_by_offset(caches: list[Any]) -> bool:

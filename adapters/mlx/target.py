@@ -7,10 +7,9 @@ class that records its output; nothing in mlx or mlx-lm is patched, and paramete
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
-from mlx import nn
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.domain.drafting.block import DraftBlock
@@ -80,7 +79,7 @@ def _tapped_class(cls: type) -> type:
     return sub
 
 
-def _model_arg(model: nn.Module, name: str) -> int:
+def _model_arg(model: Any, name: str) -> int:
     """A config value of an mlx-lm model (`args.<name>`, also inside `text_config` or a language model)."""
     for holder in (model, getattr(model, "language_model", None)):
         args = getattr(holder, "args", None)
@@ -115,7 +114,7 @@ class MlxTargetModel:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,
         *,
         capture_layers: tuple[int, ...] = (),
         prefill_chunk: int = 512,
@@ -156,7 +155,7 @@ class MlxTargetModel:
     # Properties -----------------------------------------------------------------------------------
 
     @property
-    def model(self) -> nn.Module:
+    def model(self) -> Any:
         """The wrapped mlx-lm module."""
         return self._model
 
@@ -244,7 +243,7 @@ class MlxTargetModel:
         mx.eval(token, [] if features is None else features)
         self._add_features(features)
         self._offset += len(tokens)
-        return int(token.item())
+        return int(cast(int, token.item()))
 
     def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
         """Run [anchor, drafts...] in one forward and decide acceptance on device (one host sync)."""
@@ -261,7 +260,7 @@ class MlxTargetModel:
         if sampling.greedy:
             best = mx.argmax(logits, axis=-1)
             mx.eval(best, extra)
-            return longest_accepted_prefix(drafts, best.tolist())
+            return longest_accepted_prefix(drafts, cast(list[int], best.tolist()))
         verdict = accept_block(
             logits,
             mx.array(drafts, dtype=mx.int32),
@@ -270,7 +269,7 @@ class MlxTargetModel:
             sampling,
         )
         mx.eval(verdict, extra)
-        accepted, next_token = verdict.tolist()
+        accepted, next_token = cast(list[int], verdict.tolist())
         return Acceptance(accepted=accepted, next_token=next_token)
 
     def commit(self, keep_rows: int) -> None:
@@ -328,7 +327,8 @@ class MlxTargetModel:
         self._hub.recorder = self._recorder
         self._recorder.active = record and bool(self._capture)
         try:
-            return self._model(mx.array(tokens)[None], cache=self._caches)
+            logits: mx.array = self._model(mx.array(tokens)[None], cache=self._caches)
+            return logits
         finally:
             self._recorder.active = False
 
