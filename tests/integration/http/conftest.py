@@ -61,9 +61,13 @@ def _serve(app: object, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]
 
 
 def make_server(
-    *, api_key: str | None = None, cors_origins: list[str] | None = None, **app_kwargs: object
+    *,
+    api_key: str | None = None,
+    cors_origins: list[str] | None = None,
+    context_window: int = 4096,
+    **app_kwargs: object,
 ) -> Iterator[LiveServer]:
-    loader = ScriptedLoader(scripts.text, name="local-model", context_window=4096)
+    loader = ScriptedLoader(scripts.text, name="local-model", context_window=context_window)
     flags = {"mode": "baseline", "api_key": api_key, "cors_origins": cors_origins}
     settings = load_settings({k: v for k, v in flags.items() if v is not None}, environ={})
     services = bootstrap.build(
