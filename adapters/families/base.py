@@ -225,13 +225,14 @@ class _Channel:
     def __init__(self, make: Callable[[str], ChatEvent]) -> None:
         self._make = make
         self._ws = ""  # trailing whitespace held until more text arrives
+        self._held = ""  # whitespace dropped at the last marker (restored if the marker was not one)
         self.boundary = True  # drop leading whitespace (start of turn, after a marker)
 
     def put(self, text: str, out: list[ChatEvent]) -> None:
         if not text:
             return
         text = self._ws + text
-        self._ws = ""
+        self._ws = self._held = ""
         if self.boundary:
             text = text.lstrip()
             if not text:
@@ -243,8 +244,13 @@ class _Channel:
             out.append(self._make(body))
 
     def close(self) -> None:
-        self._ws = ""
+        self._held, self._ws = self._ws, ""
         self.boundary = True
+
+    def reopen(self) -> None:
+        """Undo the last close: what looked like a marker turned out to be plain text."""
+        self._ws, self._held = self._held, ""
+        self.boundary = False
 
 
 class StreamParser:
@@ -360,7 +366,7 @@ class StreamParser:
                 self.calls += 1
             return
         raw = self._codec.tool_start + body + (self._codec.tool_end if terminated else "")
-        self._text.boundary = False
+        self._text.reopen()
         self._text.put(raw, out)
 
 
