@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Generator as EventStream
 from typing import Any
 
 import attrs
@@ -140,7 +141,9 @@ class Generator:
     def count_tokens(self, request: GenerationRequest) -> int:
         return len(self.encode_prompt(request))
 
-    def stream(self, request: GenerationRequest, prompt_ids: Sequence[int] | None = None) -> Iterator[GenerationEvent]:
+    def stream(
+        self, request: GenerationRequest, prompt_ids: Sequence[int] | None = None
+    ) -> EventStream[GenerationEvent, None, None]:
         """Yield text deltas, then one GenerationDone; closing the iterator cancels the request."""
         ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(request)
         if not ids:
