@@ -127,7 +127,11 @@ class DSparkDrafter(DrafterBackbone):
 
     def prev_embedding(self, prev_ids: mx.array) -> mx.array | None:
         """w1[x_{k−1}] for previous-token ids (target vocabulary), or None without a Markov head."""
-        return self.markov_head.markov_w1(prev_ids) if self.has_markov else None
+        if not self.has_markov:
+            return None
+        # Look up as a 1-D batch: a quantized embedding cannot dequantize a single 0-d index.
+        flat = self.markov_head.markov_w1(prev_ids.reshape(-1))
+        return flat.reshape(*prev_ids.shape, flat.shape[-1])
 
     def corrected(self, base: mx.array, prev_emb: mx.array | None) -> mx.array:
         """U_k + B_k (float32)."""

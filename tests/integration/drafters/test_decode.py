@@ -181,7 +181,7 @@ def test_sampled_output_is_distributed_as_the_target(
     source = load_drafter(kind, str(path), model, bits=0, proposal=proposal)
     prompt = [3, 7]
     joint = exact_joint(model, prompt, sampling, 3)
-    runs = 600
+    runs = 400
     observed: Counter[tuple[int, ...]] = Counter()
     accepted = 0
     for i in range(runs):
