@@ -6,8 +6,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import jsonschema
-from jsonschema import validators
+import jsonschema  # type: ignore[import-untyped]
+from jsonschema import validators  # type: ignore[import-untyped]
 from mlx_dspark.domain.chat import ToolSpec
 
 
