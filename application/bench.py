@@ -73,6 +73,7 @@ class BenchReport:
     """Everything the table, the JSON and the plot show."""
 
     model: str
+    model_identity: str
     prompt_set: PromptSet
     trials: int
     max_tokens: int
@@ -151,9 +152,10 @@ def run_bench(
                 done += 1
                 if progress is not None:
                     progress(f"{mode} {p.id} trial {trial + 1}/{trials}", done / max(total, 1))
-    model_name = next(iter(runners.values())).model.name if runners else ""
+    model = next(iter(runners.values())).model if runners else None
     return BenchReport(
-        model=model_name,
+        model=model.name if model else "",
+        model_identity=model.identity if model else "",
         prompt_set=prompts,
         trials=trials,
         max_tokens=max_tokens,
@@ -215,6 +217,7 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
     doc: dict[str, Any] = {
         "schema": BENCH_SCHEMA,
         "model": report.model,
+        "model_identity": report.model_identity,
         "prompt_set": {
             "name": report.prompt_set.name,
             "version": report.prompt_set.version,

@@ -58,6 +58,7 @@ def test_bench_json_schema() -> None:
     report = run_bench(gens, prompts, trials=2, max_tokens=12, curves=curves, environment={"device": "fake"})
     doc = json.loads(json.dumps(report_json(report)))
     assert doc["schema"] == BENCH_SCHEMA
+    assert doc["model"] == "fake" and doc["model_identity"] == "fake/target@rev1"
     assert doc["prompt_set"] == {
         "name": "mlx-dspark-bench",
         "version": prompts.version,
@@ -131,3 +132,15 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path) -> None:  # type: 
     report = run_bench(gens, prompts, trials=1, max_tokens=4)
     with pytest.raises(PlotUnavailable, match=r"mlx-dspark\[plot\]"):
         plot_report(report, str(tmp_path / "x.png"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the optional plot extra is not installed")
+def test_plot_writes_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    gens, _ = generators()
+    prompts = load_prompts("chat")
+    prompts = type(prompts)(name=prompts.name, version=prompts.version, prompts=prompts.prompts[:1])
+    curves = {"dspark": CostCurves(verify_s={1: 0.05, 6: 0.06}, draft_s={1: 0.001, 5: 0.002})}
+    report = run_bench(gens, prompts, trials=1, max_tokens=4, curves=curves)
+    out = tmp_path / "bench.png"
+    plot_report(report, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
