@@ -11,7 +11,10 @@ ROOT = "entrypoints/_package"
 setup(
     packages=[
         "mlx_dspark",
-        *(f"mlx_dspark.{p}" for p in find_packages(include=[f"{layer}*" for layer in LAYERS], exclude=["entrypoints._package"])),
+        *(
+            f"mlx_dspark.{p}"
+            for p in find_packages(include=[f"{layer}*" for layer in LAYERS], exclude=["entrypoints._package"])
+        ),
     ],
     package_dir={"mlx_dspark": ROOT, **{f"mlx_dspark.{layer}": layer for layer in LAYERS}},
     package_data={

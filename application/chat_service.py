@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+
 from mlx_dspark.application.generation import GenerationDone, GenerationRequest, Generator
 from mlx_dspark.application.generation import TextDelta as GeneratedText
 from mlx_dspark.application.ports import LoadedModel, Tokenizer

@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 import structlog
+
 from mlx_dspark.application.generation import Generator
 from mlx_dspark.domain.errors import CapacityExceeded
 

@@ -13,6 +13,7 @@ from collections.abc import Generator as EventStream
 from typing import Any
 
 import attrs
+
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.detokenizer import IncrementalDetokenizer
 from mlx_dspark.application.ports import LoadedModel

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import cattrs
+
 from mlx_dspark.domain.errors import InvalidRequest
 
 MODES = ("auto", "baseline", "lookup", "dflash", "dspark")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+
 from mlx_dspark.domain.tokens import FinishReason, StopRule
 
 

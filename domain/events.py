@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+
 from mlx_dspark.domain.tokens import FinishReason
 
 

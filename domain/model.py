@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+
 from mlx_dspark.domain.ports import TargetModel
 
 

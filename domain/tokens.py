@@ -6,6 +6,7 @@ import enum
 import math
 
 import attrs
+
 from mlx_dspark.domain.errors import InvalidRequest
 
 GREEDY_EPSILON = 1e-5

@@ -6,6 +6,7 @@ import logging
 import sys
 
 import structlog
+
 from mlx_dspark.application.settings import TelemetrySettings
 
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import cattrs
 from cattrs.v import format_exception
+
 from mlx_dspark.domain.errors import InvalidRequest
 
 T = TypeVar("T")

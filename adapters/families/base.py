@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+
 from mlx_dspark.adapters.families.validation import ArgumentValidator
 from mlx_dspark.domain.chat import (
     ChatEvent,

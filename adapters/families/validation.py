@@ -8,6 +8,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 from jsonschema import validators  # type: ignore[import-untyped]
+
 from mlx_dspark.domain.chat import ToolSpec
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
+
 from mlx_dspark.adapters.hf.cache import memo_sha256
 from mlx_dspark.domain.errors import ModelUnavailable
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from mlx_dspark.adapters.hf.cache import atomic_dir, memo_sha256
 from mlx_dspark.adapters.hf.tokenizer import END_OF_TURN_TOKENS
 from mlx_dspark.domain.errors import ModelUnavailable

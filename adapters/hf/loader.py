@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+
 from mlx_dspark.adapters.hf import default_models
 from mlx_dspark.adapters.hf.cache import cache_root
 from mlx_dspark.adapters.hf.gguf import converted_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.sampled import RESIDUAL_FLOOR
 

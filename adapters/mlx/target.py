@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
+
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.domain.drafting.block import DraftBlock

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 import structlog
+
 from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished
 
 
@@ -30,7 +31,9 @@ class StructlogTelemetrySink:
                 verify_ms=round(event.verify_s * 1e3, 3),
             )
         elif isinstance(event, CapChanged):
-            self._log.info("draft_cap.changed", request_id=request_id, old=event.old, new=event.new, reason=event.reason)
+            self._log.info(
+                "draft_cap.changed", request_id=request_id, old=event.old, new=event.new, reason=event.reason
+            )
         elif isinstance(event, Finished):
             u = event.usage
             caps = self._caps.pop(request_id, Counter())

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.tokens import SamplingParams
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 import attrs
+
 from mlx_dspark.application.generation import GenerationDone, GenerationRequest, TextDelta
 from mlx_dspark.application.modes import build_generator
 from mlx_dspark.domain.tokens import SamplingParams

@@ -30,6 +30,7 @@ def main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         import uvicorn
+
         from mlx_dspark.entrypoints.http.app import create_app
 
         settings = settings_from(args)

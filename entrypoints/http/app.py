@@ -13,6 +13,7 @@ from typing import Any
 from litestar import Litestar, Request, Response, get, route
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
+
 from mlx_dspark.application.bootstrap import Services
 from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import Engine

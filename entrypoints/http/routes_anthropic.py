@@ -6,6 +6,7 @@ from typing import Any
 
 import anyio
 from litestar import Request, Response, Router, post
+
 from mlx_dspark.adapters.api.anthropic_messages import codec, errors
 from mlx_dspark.adapters.api.anthropic_messages.stream import MessageStream
 from mlx_dspark.adapters.api.common import new_id

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from litestar import Request, Response, Router, get, post
+
 from mlx_dspark.adapters.api.anthropic_messages import codec as anthropic_codec
 from mlx_dspark.adapters.api.common import new_id
 from mlx_dspark.adapters.api.openai_chat import codec, errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, Router, post
+
 from mlx_dspark.adapters.api.common import new_id
 from mlx_dspark.adapters.api.openai_responses import codec, errors
 from mlx_dspark.adapters.api.openai_responses.stream import ResponseStream

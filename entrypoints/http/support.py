@@ -16,6 +16,7 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
+
 from mlx_dspark.adapters.api.common import parse_json_body
 from mlx_dspark.application.chat_service import ChatItem, ChatService, Prepared
 from mlx_dspark.application.engine import Engine, EngineJob

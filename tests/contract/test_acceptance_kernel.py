@@ -6,12 +6,12 @@ import random
 
 import mlx.core as mx
 import pytest
+
 from mlx_dspark.adapters.mlx import acceptance
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.distribution import argmax, distribution, sample_index
 from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
 from mlx_dspark.domain.verification.sampled import speculative_accept
-
 from tests.stats import chi_square_p_value
 
 SETTINGS = {

@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import SamplingParams
-
 from tests.fakes.oracle import OracleTarget
 from tests.fakes.tiny_models import tiny_model
 

@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.distribution import sample_index
-
 from tests.fakes.oracle import OracleTarget
 
 

@@ -12,7 +12,6 @@ from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.errors import ModelUnavailable
 from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
-
 from tests.fakes.oracle import OracleTarget
 from tests.fakes.tokenizer import FakeTokenizer
 

@@ -6,10 +6,10 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
-
 from tests.fakes.clock import FakeClock
 from tests.fakes.drafts import RandomDraftSource, ScriptedDraftSource
 from tests.fakes.oracle import OracleTarget

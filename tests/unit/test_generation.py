@@ -105,7 +105,7 @@ def test_stop_string_truncates_text_and_is_reported():
 
 
 def test_prefix_is_reused_across_turns():
-    gen, target, _ = make()
+    gen, _target, _ = make()
     _, first = collect(gen, GenerationRequest(prompt="abcdef", max_tokens=8))
     follow_up = "abcdef" + CharTokenizer().decode(first.token_ids) + "gg"
     _, second = collect(gen, GenerationRequest(prompt=follow_up, max_tokens=8))
@@ -116,7 +116,7 @@ def test_prefix_is_reused_across_turns():
 
 
 def test_eos_ends_the_request_with_stop():
-    probe, target, _ = make()
+    _probe, target, _ = make()
     cont = target.greedy_continuation(CharTokenizer().encode("abc"), 30)
     gen, _, _ = make(eos=frozenset({cont[5]}))
     _, res = collect(gen, GenerationRequest(prompt="abc", max_tokens=30))

@@ -20,7 +20,9 @@ VOCAB = 3
 SAMPLING = dict(temperature=1.0)
 
 
-def exact_joint(target: OracleTarget, prompt: list[int], n: int, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
+def exact_joint(
+    target: OracleTarget, prompt: list[int], n: int, sampling: SamplingParams
+) -> dict[tuple[int, ...], float]:
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=n):
         prob, prefix = 1.0, list(prompt)
@@ -74,7 +76,8 @@ def test_sampling_is_reproducible_with_a_seed():
         target = OracleTarget(vocab=VOCAB)
         out = []
         src = SampledDraftSource(_q, block=3)
-        for ev in decode(target, [1], SamplingParams(temperature=0.9, seed=seed), StopRule(max_tokens=20), FakeClock(), source=src):
+        sampling = SamplingParams(temperature=0.9, seed=seed)
+        for ev in decode(target, [1], sampling, StopRule(max_tokens=20), FakeClock(), source=src):
             if isinstance(ev, TokensCommitted):
                 out.extend(ev.tokens)
         return out

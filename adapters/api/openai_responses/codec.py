@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
 from mlx_dspark.adapters.api import common
 from mlx_dspark.adapters.api.openai_responses import wire
 from mlx_dspark.domain.chat import (

@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+
 from mlx_dspark.adapters.mlx.drafters.backbone import ContextCache, DrafterBackbone
 from mlx_dspark.adapters.mlx.drafters.checkpoint import default_bits, read_checkpoint, resolve_path
 from mlx_dspark.adapters.mlx.drafters.config import (

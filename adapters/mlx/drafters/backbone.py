@@ -17,8 +17,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
 from mlx_lm.models.rope_utils import initialize_rope
+
+from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
 
 Positions = int | mx.array
 KV = tuple[mx.array, mx.array]

@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
+
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters.config import BackboneConfig
 from mlx_dspark.domain.errors import IncompatibleDrafter, ModelUnavailable

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
 from mlx_dspark.domain.errors import ModelUnavailable
 
 SLIDING = "sliding_attention"

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target, load_strict, prepare

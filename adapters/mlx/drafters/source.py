@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+
 from mlx_dspark.adapters.mlx.acceptance import sample_index, truncated_probs
 from mlx_dspark.adapters.mlx.drafters.backbone import ContextCache, DrafterBackbone
 from mlx_dspark.domain.drafting.block import DraftContext

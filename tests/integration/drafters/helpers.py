@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.ports import RollbackKind

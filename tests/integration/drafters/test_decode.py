@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
@@ -19,7 +20,6 @@ from mlx_dspark.domain.drafting.block import DraftContext
 from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 from mlx_dspark.domain.verification.distribution import distribution
-
 from tests.fakes.clock import FakeClock
 from tests.integration.drafters import helpers
 from tests.stats import chi_square_p_value

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx import nn
+
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters import (
     DFlashDraftSource,
@@ -25,7 +26,6 @@ from mlx_dspark.adapters.mlx.drafters import (
 from mlx_dspark.domain.drafting.block import DraftContext
 from mlx_dspark.domain.errors import IncompatibleDrafter, ModelUnavailable
 from mlx_dspark.domain.tokens import SamplingParams
-
 from tests.integration.drafters import helpers
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.domain.drafting.block import DraftContext
 from mlx_dspark.domain.tokens import SamplingParams
-
 from tests.integration.drafters import helpers
 
 EPS = 1e-6

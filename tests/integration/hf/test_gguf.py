@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from mlx_dspark.adapters.hf import gguf as gguf_conv
 from mlx_dspark.adapters.hf.loader import HfModelLoader
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
 from mlx_dspark.application.settings import ModelSettings
 from mlx_dspark.domain.errors import ModelUnavailable
-
 from tests.integration.hf import tiny_models as tm
 
 IDS = [5, 200, 17, 42, 99, 256, 7, 263, 120, 3]

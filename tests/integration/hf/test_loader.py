@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from mlx_dspark.adapters.hf import cache as cache_mod
 from mlx_dspark.adapters.hf import default_models
 from mlx_dspark.adapters.hf.loader import HfModelLoader, packaged_drafters
@@ -15,7 +16,6 @@ from mlx_dspark.adapters.hf.resolve import model_identity, resolve_snapshot
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer
 from mlx_dspark.application.settings import ModelSettings
 from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
-
 from tests.integration.hf import tiny_models as tm
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

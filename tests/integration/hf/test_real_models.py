@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 from mlx_dspark.adapters.hf import default_models
 from mlx_dspark.adapters.hf.loader import HfModelLoader
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids

@@ -12,10 +12,10 @@ import attrs
 import httpx
 import pytest
 import uvicorn
+
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.entrypoints.http.app import create_app
-
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.fakes.scripted import ScriptedLoader
 from tests.integration.http import scripts

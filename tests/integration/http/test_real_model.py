@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
+
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.entrypoints.http.app import create_app
-
 from tests.integration.http.conftest import _serve
 
 pytestmark = pytest.mark.slow

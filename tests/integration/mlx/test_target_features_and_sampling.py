@@ -8,14 +8,14 @@ import random
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from mlx_dspark.domain.verification.distribution import distribution, sample_index
-from mlx_lm.models.base import create_attention_mask
-
 from tests.fakes.clock import FakeClock
 from tests.fakes.drafts import RandomDraftSource
 from tests.fakes.tiny_models import FAMILIES, HIDDEN, VOCAB, tiny_model

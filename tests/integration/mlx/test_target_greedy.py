@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
+
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.events import Finished, TokensCommitted
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
-from mlx_lm.generate import generate_step
-
 from tests.fakes.clock import FakeClock
 from tests.fakes.drafts import RandomDraftSource
 from tests.fakes.tiny_models import FAMILIES, GEMMA_WINDOW, VOCAB, tiny_model

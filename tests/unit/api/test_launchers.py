@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from mlx_dspark.application.launchers import Target, claude_plan, codex_plan, pi_plan
 from mlx_dspark.entrypoints.cli import launch
-
 from tests.integration.http.conftest import LiveServer, make_server
 
 TARGET = Target(base_url="http://127.0.0.1:9999", model="local-model", context_window=65536, max_output_tokens=4096)

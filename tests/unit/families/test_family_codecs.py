@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from mlx_dspark.adapters.families import select_codec
 from mlx_dspark.adapters.families.gemma import Gemma4Codec
 from mlx_dspark.adapters.families.hermes import HermesCodec
@@ -24,7 +25,6 @@ from mlx_dspark.domain.chat import (
     ToolCallStart,
     ToolSpec,
 )
-
 from tests.fakes.tokenizer import CHATML_TOOLS_TEMPLATE, FakeTokenizer
 
 # Minimal templates of our own with each family's markers (the real ones are not available offline).
