@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
 from mlx_dspark.application.calibration import CalibrationPlan, Progress, curves_for, drafter_identity
 from mlx_dspark.application.data import load_prompts
 from mlx_dspark.application.decode_loop import decode
@@ -281,7 +282,8 @@ def measure_and_choose(
     max_draft: int | None = None,
     force: bool = False,
     online: bool = True,
-    race_tokens: int = 32,
+    race_tokens: int = 24,
+    race_prompts: Sequence[Sequence[int]] | None = None,
     plan: CalibrationPlan | None = None,
     progress: Progress | None = None,
 ) -> AutoChoice:
@@ -297,6 +299,7 @@ def measure_and_choose(
         force: re-measure curves and re-run the race (`mlx-dspark calibrate`).
         online: wrap the candidates in a SwitchingDraftSource that may switch between requests.
         race_tokens: tokens generated per race prompt.
+        race_prompts: token ids to race on (default: three built-in prompts, one per class).
         plan: calibration effort.
         progress: status-line callback.
 
@@ -326,7 +329,7 @@ def measure_and_choose(
     if from_cache and stored is not None:
         rates = {name: stored.race[name] for name in cands}
     else:
-        prompts = race_prompt_ids(model)
+        prompts = [list(p) for p in race_prompts] if race_prompts else race_prompt_ids(model)
         rates = race(model, cands, policies, clock, prompts, max_tokens=race_tokens, progress=progress)
     # On a tie plain decoding wins: it needs no drafter memory.
     winner = max(cands, key=lambda n: (rates.get(n, 0.0), cands[n] is None))

@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
     p.add_argument("--log-level", help="debug, info, warning, error")
     p.add_argument("--modes", help="draft sources to race (default: every available one), e.g. lookup,dspark")
-    p.add_argument("--race-tokens", type=int, default=32, help="tokens per race prompt")
+    p.add_argument("--race-tokens", type=int, default=24, help="tokens per race prompt")
     p.add_argument("--json", action="store_true", help="print curves and race results as JSON")
     return p
 
