@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+
 from mlx_dspark.application.data import PromptSet
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult
 from mlx_dspark.application.ports import LoadedModel

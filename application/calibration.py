@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+
 from mlx_dspark.application.data import sample_text
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel, Tokenizer

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 import attrs
+
 from mlx_dspark.domain.errors import InvalidRequest
 
 PROMPT_CLASSES = ("chat", "code", "math")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
+
 from mlx_dspark.domain.costmodel.curves import CostCurves
 
 # Bump when the meaning of a stored field changes; entries of another schema are never read back.

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
+
 from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
 from mlx_dspark.domain.costmodel.curves import CostCurves, expected_tokens
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.budget import plan_commit
 from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats, EwmaAcceptance
@@ -25,7 +26,6 @@ from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.events import Finished
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
-
 from tests.fakes.clock import FakeClock
 from tests.fakes.drafts import ScriptedDraftSource
 from tests.fakes.oracle import OracleTarget

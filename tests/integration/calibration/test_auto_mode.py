@@ -16,7 +16,6 @@ from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap, MeasuredCap
 from mlx_dspark.domain.events import CapChanged, TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
-
 from tests.integration.calibration.timed_fakes import (
     ManualClock,
     MemoryStore,

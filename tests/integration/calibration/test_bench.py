@@ -8,6 +8,7 @@ import json
 
 import attrs
 import pytest
+
 from mlx_dspark.application.bench import (
     BENCH_SCHEMA,
     PlotUnavailable,
@@ -20,7 +21,6 @@ from mlx_dspark.application.data import builtin_prompts, load_prompts
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, Generator
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.costmodel.curves import CostCurves
-
 from tests.fakes.clock import RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import ManualClock, TimedSource, TimedTarget, flat, loaded
 

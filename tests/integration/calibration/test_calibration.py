@@ -11,7 +11,6 @@ from mlx_dspark.application.calibration import (
     realistic_stream,
 )
 from mlx_dspark.domain.costmodel.curves import best_cap
-
 from tests.integration.calibration.timed_fakes import (
     ConstantTokenizer,
     ManualClock,

@@ -10,7 +10,6 @@ from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
-
 from tests.fakes.drafts import ScriptedDraftSource
 from tests.fakes.oracle import OracleTarget
 
