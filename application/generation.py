@@ -120,7 +120,6 @@ class Generator:
         self._telemetry = telemetry
         self._cap_policy_factory = cap_policy_factory
         self._max_cap = max_cap
-        self._cached: list[int] = []  # tokens whose rows the target holds after the last request
 
     def encode_prompt(self, request: GenerationRequest) -> list[int]:
         """Token ids of the request's prompt, through the chat template where asked."""
@@ -150,7 +149,8 @@ class Generator:
         if not ids:
             raise InvalidRequest(message="the prompt encodes to no tokens", param="prompt")
         stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
-        reuse = _common_prefix(self._cached, ids)
+        # Ask the target what it holds: other users of the same target (bench, calibration) move it too.
+        reuse = _common_prefix(self.model.target.cached_ids, ids)
         policy = self._cap_policy_factory() if (self._cap_policy_factory and self.source) else None
         events = decode(
             self.model.target,
@@ -192,9 +192,6 @@ class Generator:
                     finished = event
         finally:
             events.close()
-            self._cached = list(ids) + tokens[:-1] if tokens else list(ids)
-            if self.model.target.cached_tokens != len(self._cached):
-                self._cached = self._cached[: self.model.target.cached_tokens]
         if matched is None:
             tail = matcher.feed(detok.flush()).emit + matcher.flush()
             if tail:

@@ -38,6 +38,11 @@ class TargetModel(Protocol):
         """Tokens whose rows are in the cache (the position of the next row)."""
         ...
 
+    @property
+    def cached_ids(self) -> Sequence[int]:
+        """The token ids of the cached rows, in order (prefix reuse compares against them)."""
+        ...
+
     def reset(self, keep: int = 0) -> int:
         """Drop every cached row past the first `keep` (0 = a fresh request).
 

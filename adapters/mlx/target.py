@@ -147,6 +147,7 @@ class MlxTargetModel:
         self._caches: list[Any] = []
         self._plain = True
         self._offset = 0
+        self._ids: list[int] = []  # token ids of the cached rows, for prefix reuse
         self._pending: _Pending | None = None
         self._feature_chunks: list[mx.array] = []
         self._features_read = 0  # chunks already handed out by take_features
@@ -184,6 +185,10 @@ class MlxTargetModel:
     def cached_tokens(self) -> int:
         return self._offset
 
+    @property
+    def cached_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
     # Configuration --------------------------------------------------------------------------------
 
     def configure_capture(self, layer_ids: tuple[int, ...]) -> None:
@@ -215,6 +220,7 @@ class MlxTargetModel:
         if keep > 0 and cache_ops.can_cut(self._caches, drop):
             cache_ops.cut(self._caches, drop)
             self._offset = keep
+            del self._ids[keep:]
             if self._capture:
                 history = self._all_features()
                 self._feature_chunks = [history[:keep]]
@@ -244,6 +250,7 @@ class MlxTargetModel:
         mx.eval(token, [] if features is None else features)
         self._add_features(features)
         self._offset += len(tokens)
+        self._ids.extend(tokens)
         return int(cast(int, token.item()))
 
     def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
@@ -289,6 +296,7 @@ class MlxTargetModel:
             if keep_rows:
                 self._replay(pending.tokens[:keep_rows])
         self._offset += keep_rows
+        self._ids.extend(pending.tokens[:keep_rows])
         if pending.features is not None and keep_rows:
             self._add_features(pending.features[:keep_rows])
 
@@ -337,6 +345,7 @@ class MlxTargetModel:
         self._caches = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
         self._plain = cache_ops.all_cut_by_offset(self._caches)
         self._offset = 0
+        self._ids = []
         self._feature_chunks = []
         self._features_read = 0
 

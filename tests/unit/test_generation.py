@@ -128,3 +128,16 @@ def test_seeded_sampling_is_reproducible_through_the_use_case():
     gen, _, _ = make()
     req = GenerationRequest(prompt="abc", max_tokens=20, sampling=SamplingParams(temperature=1.0, seed=3))
     assert collect(gen, req)[1].token_ids == collect(gen, req)[1].token_ids
+
+
+def test_a_target_shared_by_two_generators_is_never_reused_stale():
+    # Generator A caches a conversation; B moves the shared target elsewhere; A must not reuse A's old rows.
+    gen_a, _, _ = make()
+    gen_b = Generator(gen_a.model, source=None, mode="baseline", clock=FakeClock(), telemetry=RecordingTelemetrySink())
+    _, first = collect(gen_a, GenerationRequest(prompt="abcdef", max_tokens=6))
+    collect(gen_b, GenerationRequest(prompt="hijklm", max_tokens=6))
+    follow_up = "abcdef" + CharTokenizer().decode(first.token_ids)
+    _, again = collect(gen_a, GenerationRequest(prompt=follow_up, max_tokens=6))
+    assert again.cached_prompt_tokens == 0
+    fresh, _, _ = make()
+    assert again.token_ids == collect(fresh, GenerationRequest(prompt=follow_up, max_tokens=6))[1].token_ids

@@ -118,6 +118,10 @@ class ReferenceTarget:
     def cached_tokens(self) -> int:
         return len(self.rows)
 
+    @property
+    def cached_ids(self) -> tuple[int, ...]:
+        return tuple(self.rows)
+
     def reset(self, keep: int = 0) -> int:
         del self.rows[keep:]
         self._taken = 0
