@@ -37,6 +37,9 @@ class ModelOptions(Protocol):
     @property
     def cache_dir(self) -> str | None: ...
 
+    @property
+    def drafter(self) -> str | None: ...
+
 
 @attrs.frozen(kw_only=True)
 class Checkpoint:
@@ -208,6 +211,7 @@ class HfModelLoader:
         self._trust = bool(settings.trust_remote_code)
         self._cache = cache_root(settings.cache_dir)
         self._keep_quantized = keep_quantized
+        self._drafter_spec = settings.drafter
 
     @property
     def cache_dir(self) -> Path:
@@ -320,5 +324,25 @@ class HfModelLoader:
         return load_drafter(kind, spec, model.handle, target=model.target, bits=bits)
 
     def available_drafters(self, model: Any) -> Sequence[str]:
-        """ "lookup" plus the drafter kinds packaged or installed for `model`."""
-        return ["lookup", *packaged_drafters(model.name, self._cache)]
+        """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""
+        kinds = ["lookup", *packaged_drafters(model.name, self._cache)]
+        if self._drafter_spec:
+            kind = self._spec_kind(self._drafter_spec)
+            if kind and kind not in kinds:
+                kinds.append(kind)
+        return kinds
+
+    @staticmethod
+    def _spec_kind(spec: str) -> str | None:
+        """The kind of a drafter checkpoint, read from its config.json (unreadable → None)."""
+        from mlx_dspark.adapters.mlx.drafters.config import drafter_kind
+
+        try:
+            path = resolve_snapshot(spec, allow_patterns=["config.json"])
+        except ModelUnavailable:
+            return None
+        config = path / "config.json" if path.is_dir() else path
+        try:
+            return drafter_kind(json.loads(config.read_text()))
+        except (OSError, ValueError):
+            return None

@@ -304,3 +304,17 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
         output_multiplier=extra.get("output_multiplier"),
         final_logit_softcapping=extra.get("final_logit_softcapping"),
     )
+
+
+def drafter_kind(raw: Mapping[str, Any]) -> str | None:
+    """"dspark" or "dflash" from a drafter's config.json (by its markers, never by its name), or None."""
+    try:
+        dspark_packaging(raw)
+    except ModelUnavailable:
+        pass
+    else:
+        return "dspark"
+    arch = " ".join(raw.get("architectures") or ())
+    if "DFlash" in arch or "dflash_config" in raw:
+        return "dflash"
+    return None

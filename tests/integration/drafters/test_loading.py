@@ -257,3 +257,29 @@ def microbenchmark() -> dict[str, float]:
             times.append((time.perf_counter() - t) * 1e3)
         out[f"bits={bits}"] = round(min(times), 2)  # the least-disturbed run on a shared machine
     return out
+
+
+def test_the_kind_of_a_drafter_is_read_from_its_config_not_its_name(tmp_path: Path, qwen3_target: Any) -> None:
+    from mlx_dspark.adapters.hf.loader import HfModelLoader
+    from mlx_dspark.adapters.mlx.drafters.config import drafter_kind
+    from mlx_dspark.application.settings import ModelSettings
+
+    # Names chosen to mislead a basename matcher.
+    paths = {
+        "dflash": helpers.write_dflash(tmp_path / "my-dspark-v1", variant="v1"),
+        "dflash-v2": helpers.write_dflash(tmp_path / "x2", variant="v2", layer_ids=(0, 2, 4)),
+        "dspark": helpers.write_dspark(tmp_path / "some-dflash", qwen3_target),
+        "dspark-sp": helpers.write_dspark(tmp_path / "sp", qwen3_target, packaging="speculators", draft_vocab=64),
+        "dspark-sf": helpers.write_dspark(tmp_path / "sf", qwen3_target, packaging="specforge"),
+    }
+    for name, path in paths.items():
+        kind = drafter_kind(json.loads((path / "config.json").read_text()))
+        assert kind == name.split("-")[0], (name, kind)
+    assert drafter_kind({"model_type": "llama"}) is None
+
+    class Model:
+        name = "tiny"
+
+    for expected, path in (("dspark", paths["dspark"]), ("dflash", paths["dflash"])):
+        loader = HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"), drafter=str(path)))
+        assert expected in loader.available_drafters(Model())
