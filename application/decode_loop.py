@@ -115,7 +115,9 @@ def decode(
         plan = plan_commit(candidates, generated, stop)
         target.commit(plan.keep_rows)
         t2 = clock.now()
-        stats.record(len(block), verdict.accepted, len(plan.tokens))
+        # An EOS that ends generation was still produced by this round: it counts towards acceptance.
+        produced = len(plan.tokens) + (1 if plan.finish is FinishReason.STOP else 0)
+        stats.record(len(block), verdict.accepted, produced)
         if plan.tokens:
             history.extend(plan.tokens)
             generated += len(plan.tokens)

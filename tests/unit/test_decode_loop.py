@@ -151,3 +151,12 @@ def test_lookup_drafts_are_lossless_and_get_accepted_on_repetitive_text():
     assert got == expected
     assert fin.usage.accepted > 0
     assert fin.usage.rounds < len(expected) - 1
+
+
+def test_plain_decoding_accepts_exactly_one_token_per_round_even_when_eos_ends_it():
+    target = OracleTarget()
+    continuation = target.greedy_continuation([4, 5], 30)
+    eos = continuation[5]
+    _, rounds, fin = run(OracleTarget(), [4, 5], StopRule(max_tokens=30, eos_ids=frozenset({eos})))
+    assert fin.reason is FinishReason.STOP
+    assert fin.usage.mean_accepted == 1.0
