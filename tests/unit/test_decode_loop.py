@@ -157,6 +157,6 @@ def test_plain_decoding_accepts_exactly_one_token_per_round_even_when_eos_ends_i
     target = OracleTarget()
     continuation = target.greedy_continuation([4, 5], 30)
     eos = continuation[5]
-    _, rounds, fin = run(OracleTarget(), [4, 5], StopRule(max_tokens=30, eos_ids=frozenset({eos})))
+    _, _, fin = run(OracleTarget(), [4, 5], StopRule(max_tokens=30, eos_ids=frozenset({eos})))
     assert fin.reason is FinishReason.STOP
     assert fin.usage.mean_accepted == 1.0
