@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_dspark.application import bootstrap
+from mlx_dspark.application.calibration import CalibrationPlan, measure_verify, realistic_stream
 from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, settings_from, start
 
 PACKAGES = ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "mlx-lm", "transformers", "gguf", "litestar",
@@ -42,9 +43,15 @@ def main(argv: Sequence[str]) -> int:
         if not no_curve:
             progress_line(f"loading {settings.model.model} to time verifies")
             model = services.loader.load_target(settings.model.model)
-            from mlx_dspark.application.calibration import measure_verify_curve
-
-            curve = measure_verify_curve(model, widths=(1, 2, 4, 8, 16))
+            profile = measure_verify(
+                model.target,
+                realistic_stream(model.tokenizer, model.target.vocab_size, 512),
+                services.clock,
+                max_width=16,
+                context_window=model.context_window,
+                plan=CalibrationPlan(deep_depth=64, repeats=5),
+            )
+            curve = {w: profile.verify_s[w] for w in (1, 2, 4, 8, 16)}
             base = curve[1]
             report["model"] = model.identity
             report["verify_ms"] = {w: round(s * 1e3, 2) for w, s in curve.items()}
