@@ -207,11 +207,23 @@ class HfModelLoader:
             on CPUs where MLX's quantized matmul is not BLAS-backed, faster where memory bandwidth rules).
     """
 
-    def __init__(self, settings: ModelOptions, *, keep_quantized: bool = False) -> None:
+    def __init__(self, settings: ModelOptions, *, keep_quantized: bool | None = None) -> None:
         self._trust = bool(settings.trust_remote_code)
         self._cache = cache_root(settings.cache_dir)
-        self._keep_quantized = keep_quantized
+        self._keep_quantized_choice = keep_quantized
         self._drafter_spec = settings.drafter
+
+    def _keep_quantized(self) -> bool:
+        """GGUF quantized blocks stay quantized where that is faster: on a GPU (Metal, CUDA).
+
+        MLX's CPU quantized matmul is slower than fp32 with an optimized BLAS, so the CPU gets fp32.
+        Decided at load time so that building a loader never imports MLX.
+        """
+        if self._keep_quantized_choice is not None:
+            return self._keep_quantized_choice
+        import mlx.core as mx
+
+        return bool(mx.default_device().type == mx.gpu)
 
     @property
     def cache_dir(self) -> Path:
@@ -227,7 +239,7 @@ class HfModelLoader:
         if name in default_models.EMBEDDED:
             embedded = default_models.EMBEDDED[name]
             gguf = default_models.embedded_gguf(name, self._cache)
-            path = converted_dir(gguf, self._cache, keep_quantized=self._keep_quantized, sha256=embedded.sha256)
+            path = converted_dir(gguf, self._cache, keep_quantized=self._keep_quantized(), sha256=embedded.sha256)
             return path, f"{'+'.join(embedded.requirements[:1])}@sha256:{embedded.sha256}"
         source = resolve_snapshot(name, allow_patterns=MLX_PATTERNS)
         if source.is_dir() and not (source / "config.json").exists():
@@ -238,7 +250,7 @@ class HfModelLoader:
             if not (source.suffix == ".gguf" or is_gguf(source)):
                 raise ModelUnavailable(message=f"model {name!r}: {source} is neither a GGUF file nor a directory")
             identity = model_identity(source, cache_dir=self._cache)
-            return converted_dir(source, self._cache, keep_quantized=self._keep_quantized), identity
+            return converted_dir(source, self._cache, keep_quantized=self._keep_quantized()), identity
         return source, model_identity(source, cache_dir=self._cache)
 
     def load_checkpoint(self, name: str) -> Checkpoint:
