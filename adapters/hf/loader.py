@@ -40,6 +40,9 @@ class ModelOptions(Protocol):
     @property
     def drafter(self) -> str | None: ...
 
+    @property
+    def confidence_threshold(self) -> float: ...
+
 
 @attrs.frozen(kw_only=True)
 class Checkpoint:
@@ -212,6 +215,7 @@ class HfModelLoader:
         self._cache = cache_root(settings.cache_dir)
         self._keep_quantized_choice = keep_quantized
         self._drafter_spec = settings.drafter
+        self._confidence_threshold = float(settings.confidence_threshold or 0.0)
 
     def _keep_quantized(self) -> bool:
         """GGUF quantized blocks stay quantized where that is faster: on a GPU (Metal, CUDA).
@@ -333,7 +337,9 @@ class HfModelLoader:
             spec = str(found)
         from mlx_dspark.adapters.mlx.drafters import load_drafter
 
-        return load_drafter(kind, spec, model.handle, target=model.target, bits=bits)
+        # The confidence head is DSpark's; a threshold given for auto mode must not break DFlash.
+        threshold = self._confidence_threshold if kind == "dspark" else 0.0
+        return load_drafter(kind, spec, model.handle, target=model.target, bits=bits, confidence_threshold=threshold)
 
     def available_drafters(self, model: Any) -> Sequence[str]:
         """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""
