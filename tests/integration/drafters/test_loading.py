@@ -283,3 +283,18 @@ def test_the_kind_of_a_drafter_is_read_from_its_config_not_its_name(tmp_path: Pa
     for expected, path in (("dspark", paths["dspark"]), ("dflash", paths["dflash"])):
         loader = HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"), drafter=str(path)))
         assert expected in loader.available_drafters(Model())
+
+
+def test_the_confidence_threshold_setting_reaches_dspark_and_spares_dflash(tmp_path: Path, qwen3_target: Any) -> None:
+    from mlx_dspark.adapters.hf.loader import HfModelLoader
+    from mlx_dspark.adapters.mlx.target import MlxTargetModel
+    from mlx_dspark.application.settings import ModelSettings
+    from mlx_dspark.domain.model import LoadedModel
+
+    model = LoadedModel(name="tiny", identity="tiny@test", target=MlxTargetModel(qwen3_target), tokenizer=None,
+                        context_window=256, family="qwen3", handle=qwen3_target)
+    loader = HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"), confidence_threshold=0.4))
+    dspark = loader.load_drafter("dspark", str(helpers.write_dspark(tmp_path / "ds", qwen3_target)), model, bits=0)
+    assert dspark.confidence_threshold == 0.4
+    dflash = loader.load_drafter("dflash", str(helpers.write_dflash(tmp_path / "df")), model, bits=0)
+    assert dflash.max_block >= 1
