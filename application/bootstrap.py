@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import attrs
+
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
 from mlx_dspark.application.ports import CalibrationStore, ModelLoader
@@ -26,7 +27,7 @@ class Services:
     loader: ModelLoader
     extras: dict[str, Any] = attrs.Factory(dict)
     calibration: CalibrationStore = attrs.Factory(lambda self: _default_calibration(self.settings), takes_self=True)
-    families: FamilySelector = attrs.Factory(lambda: _default_families())
+    families: FamilySelector = attrs.Factory(lambda: _default_families())  # noqa: PLW0108 - defined below
 
 
 def _default_families() -> FamilySelector:
