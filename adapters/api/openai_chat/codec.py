@@ -64,6 +64,7 @@ def to_chat_request(req: wire.ChatCompletionRequest, request_id: str = "") -> Ch
     """
     if req.n not in (None, 1):
         raise InvalidRequest(message="only n=1 is supported", param="n")
+    _refuse_unsupported_sampling(req)
     messages: list[Message] = []
     names: dict[str, str] = {}
     for i, m in enumerate(req.messages):
@@ -117,6 +118,17 @@ def to_chat_request(req: wire.ChatCompletionRequest, request_id: str = "") -> Ch
         tool_choice=_tool_choice(req.tool_choice),
         request_id=request_id,
     )
+
+
+def _refuse_unsupported_sampling(req: wire.ChatCompletionRequest) -> None:
+    """Penalties, logit bias and logprobs are not implemented: say so instead of ignoring them."""
+    if req.logprobs or req.top_logprobs:
+        raise InvalidRequest(message="logprobs are not supported by this server", param="logprobs")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise InvalidRequest(message=f"{name} is not supported by this server (send 0 or omit it)", param=name)
+    if req.logit_bias:
+        raise InvalidRequest(message="logit_bias is not supported by this server", param="logit_bias")
 
 
 def _text(content: str | list[wire.ContentPart] | None, where: str) -> str:

@@ -90,5 +90,11 @@ class ChatCompletionRequest:
     top_k: int | None = None
     seed: int | None = None
     n: int | None = None
+    # Read only to refuse them when set: silently ignoring them would change what the client gets.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -167,3 +167,23 @@ def test_keepalive_during_a_slow_prefill_and_cancellation_on_disconnect(live: Li
     gate.set()
     _engine_alive(live)  # queued behind the cancelled job: proves it ended
     assert target.emitted[-2] < 100  # stopped long before its 2000 tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1.0}, "presence_penalty"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ],
+)
+def test_unimplemented_sampling_options_are_refused_not_ignored(live: LiveServer, extra: dict, param: str) -> None:
+    body = {"model": "local-model", "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = _post(live, "/v1/chat/completions", body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+    # Zero penalties are what many SDKs send by default: accepted.
+    ok = {"model": "local-model", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0}
+    assert _post(live, "/v1/chat/completions", ok).status_code == 200
