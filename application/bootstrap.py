@@ -12,7 +12,7 @@ import attrs
 
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
-from mlx_dspark.application.ports import CalibrationStore, ModelLoader
+from mlx_dspark.application.ports import CalibrationStore, DrafterTrainer, ModelLoader, TrainingTarget
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import Clock, TelemetrySink
 
@@ -114,3 +114,31 @@ def build(settings: Settings, **overrides: Any) -> Services:
     return Services(
         settings=settings, clock=clock, telemetry=telemetry, loader=loader, extras=overrides.get("extras", {}), **more
     )
+
+
+def build_trainer(settings: Settings) -> DrafterTrainer:
+    """The drafter-distillation adapter: MLX compute over targets opened by the HF loader (no decode wrapper)."""
+    from mlx_dspark.adapters.hf.loader import HfModelLoader
+    from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
+    from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
+
+    loader = HfModelLoader(settings.model)
+
+    def open_target(name: str) -> TrainingTarget:
+        ckpt = loader.load_checkpoint(name)
+        hf = getattr(ckpt.tokenizer, "_tokenizer", ckpt.tokenizer)
+        added = getattr(hf, "added_tokens_decoder", {}) or {}
+        special = {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+        special |= {int(i) for i in getattr(hf, "all_special_ids", []) or []}
+        reserved = {getattr(hf, f"{k}_token_id", None) for k in ("bos", "pad", "unk", "eos")}
+        return TrainingTarget(
+            name=name,
+            identity=ckpt.identity,
+            tokenizer=HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path)),
+            handle=ckpt.model,
+            tokenizer_size=len(hf),
+            special_ids=tuple(sorted(special)),
+            reserved_ids=tuple(sorted(int(i) for i in reserved if isinstance(i, int))),
+        )
+
+    return MlxDrafterTrainer(open_target)
