@@ -171,3 +171,20 @@ def loads_arguments(text: str) -> dict[str, Any]:
 
 
 Factory = Callable[[], str]
+
+
+_OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+def openai_envelope(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body (Chat Completions and Responses share it): `{"error": {message, type, param, code}}`."""
+    error_type = _OPENAI_ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

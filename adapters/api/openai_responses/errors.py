@@ -7,21 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_dspark.adapters.api import common
 from mlx_dspark.domain.errors import CapacityExceeded, ContextTooLong, DomainError, InvalidRequest, ModelUnavailable
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    500: "server_error",
-    503: "server_error",
-}
-
-
-def envelope(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+envelope = common.openai_envelope
 
 
 def classify(exc: BaseException) -> tuple[int, str, str | None, str | None]:
