@@ -205,10 +205,15 @@ def _measure(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
 
 
 def bootstrap_runtime() -> str:
+    import os
+
     from mlx_dspark.application import bootstrap
 
     info = bootstrap.runtime_report()
-    return str(info.get("device") or info)
+    return (
+        f"{info.get('device_type', info.get('device'))} ({os.cpu_count()} cores, {info.get('platform')}), "
+        f"MLX {info.get('mlx_version')}, BLAS {info.get('blas')}"
+    )
 
 
 def _measured_section(measured: Mapping[str, Any]) -> str:
