@@ -258,8 +258,9 @@ def make_data(
     its greedy responses to the held-out prompts. Cached in `options.cache` when given.
     """
     cache = Path(options.cache) if options.cache else None
+    train: list[tuple[list[int], int]] = []
+    held: list[tuple[list[int], int]] = []
     if cache is not None and cache.is_file():
-        train, held = [], []
         for line in cache.read_text().splitlines():
             row = json.loads(line)
             (held if row.get("heldout") else train).append((row["ids"], row["prompt_len"]))
@@ -290,8 +291,6 @@ def make_data(
         time_budget_s=options.time_budget_s,
         progress=report,
     )
-    train: list[tuple[list[int], int]] = []
-    held: list[tuple[list[int], int]] = []
     rows = []
     for i, (p, r) in enumerate(zip(all_prompts, responses, strict=True)):
         if not r or len(r) < 4:
