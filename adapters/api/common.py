@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import cattrs
 from cattrs.v import format_exception
 
+from mlx_dspark.domain.chat import ToolChoice, ToolChoiceMode
 from mlx_dspark.domain.errors import InvalidRequest
 
 T = TypeVar("T")
@@ -188,3 +189,14 @@ def openai_envelope(status: int, message: str, *, param: str | None = None, code
     """OpenAI's error body (Chat Completions and Responses share it): `{"error": {message, type, param, code}}`."""
     error_type = _OPENAI_ERROR_TYPES.get(status, "server_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def named_tool_choice(choice: Any) -> ToolChoice | None:
+    """The OpenAI string forms of `tool_choice` ("auto", "none", "required", or absent); None for others."""
+    if choice is None or choice == "auto":
+        return ToolChoice()
+    if choice == "none":
+        return ToolChoice(mode=ToolChoiceMode.NONE)
+    if choice == "required":
+        return ToolChoice(mode=ToolChoiceMode.REQUIRED)
+    return None

@@ -160,12 +160,9 @@ def _thinking(req: wire.ChatCompletionRequest) -> bool | None:
 
 
 def _tool_choice(choice: Any) -> ToolChoice:
-    if choice is None or choice == "auto":
-        return ToolChoice()
-    if choice == "none":
-        return ToolChoice(mode=ToolChoiceMode.NONE)
-    if choice == "required":
-        return ToolChoice(mode=ToolChoiceMode.REQUIRED)
+    named = common.named_tool_choice(choice)
+    if named is not None:
+        return named
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):

@@ -259,12 +259,9 @@ def _freeform(name: str, description: str, fmt: Any) -> ToolSpec:
 
 
 def _tool_choice(choice: Any) -> ToolChoice:
-    if choice is None or choice == "auto":
-        return ToolChoice()
-    if choice == "none":
-        return ToolChoice(mode=ToolChoiceMode.NONE)
-    if choice == "required":
-        return ToolChoice(mode=ToolChoiceMode.REQUIRED)
+    named = common.named_tool_choice(choice)
+    if named is not None:
+        return named
     if isinstance(choice, dict):
         if choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
             return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice["name"])
