@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, settings_from, start
+from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, start_with_model
 
 DEFAULT_MODES = ("baseline", "lookup", "dflash", "dspark", "auto")
 
@@ -64,14 +64,7 @@ def main(argv: Sequence[str]) -> int:
         from mlx_dspark.domain.ports import DraftSource
 
         prompts = load_prompts(args.prompts)
-        flags = {
-            k: getattr(args, k)
-            for k in ("model", "drafter", "drafter_bits", "max_draft", "trust_remote_code", "cache_dir", "log_level")
-        }
-        settings = settings_from(argparse.Namespace(**flags))
-        services = start(settings, quiet_logs=True)
-        progress_line(f"loading {settings.model.model}")
-        model = services.loader.load_target(settings.model.model)
+        settings, services, model = start_with_model(args)
         if args.modes:
             modes = [m.strip() for m in args.modes.split(",") if m.strip()]
             bad = [m for m in modes if m not in MODES]

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, settings_from, start
+from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, start_with_model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,14 +46,7 @@ def main(argv: Sequence[str]) -> int:
         from mlx_dspark.domain.errors import DomainError
         from mlx_dspark.domain.ports import DraftSource
 
-        flags = {
-            k: getattr(args, k)
-            for k in ("model", "drafter", "drafter_bits", "max_draft", "trust_remote_code", "cache_dir", "log_level")
-        }
-        settings = settings_from(argparse.Namespace(**flags))
-        services = start(settings, quiet_logs=True)
-        progress_line(f"loading {settings.model.model}")
-        model = services.loader.load_target(settings.model.model)
+        settings, services, model = start_with_model(args)
         kinds = (
             [k.strip() for k in args.modes.split(",") if k.strip()]
             if args.modes

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mlx_dspark.application import bootstrap
+from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.settings import MODES, Settings, load_settings
 from mlx_dspark.domain.errors import DomainError
 from mlx_dspark.entrypoints.log_config import configure_logging
@@ -42,6 +43,17 @@ def start(settings: Settings, *, quiet_logs: bool = False) -> bootstrap.Services
         telemetry = attrs.evolve(telemetry, log_level="warning")
     configure_logging(telemetry)
     return bootstrap.build(settings)
+
+
+MODEL_FLAGS = ("model", "drafter", "drafter_bits", "max_draft", "trust_remote_code", "cache_dir", "log_level")
+
+
+def start_with_model(args: argparse.Namespace) -> tuple[Settings, bootstrap.Services, LoadedModel]:
+    """Settings from the model flags only, wired services, and the loaded target (with a progress line)."""
+    settings = settings_from(argparse.Namespace(**{k: getattr(args, k) for k in MODEL_FLAGS}))
+    services = start(settings, quiet_logs=True)
+    progress_line(f"loading {settings.model.model}")
+    return settings, services, services.loader.load_target(settings.model.model)
 
 
 def run_guarded(fn: Callable[[], int]) -> int:
