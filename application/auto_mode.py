@@ -243,7 +243,7 @@ class AutoChoice:
 
     Attributes:
         mode: the winning candidate's name ("dspark", "dflash", "lookup", or the plain one, e.g. "baseline").
-        source: the draft source to give the Generator (a SwitchingDraftSource when online switching is
+        source: the draft source to give the GenerationService (a SwitchingDraftSource when online switching is
             on and there is more than one candidate), or None for plain decoding.
         cap_policy_factory: the per-request cap policy factory (None = plain decoding).
         rates: measured decode tokens/s per candidate (the race).
@@ -304,7 +304,7 @@ def measure_and_choose(
         progress: status-line callback.
 
     Returns:
-        The choice; `source` and `cap_policy_factory` go straight into Generator.
+        The choice; `source` and `cap_policy_factory` go straight into GenerationService.
     """
     cands = dict(candidates)
     if not cands:

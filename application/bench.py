@@ -22,7 +22,7 @@ BASELINE = "baseline"
 
 
 class BenchRunner(Protocol):
-    """What the bench needs of a mode: its model and a way to run one request (a Generator)."""
+    """What the bench needs of a mode: its model and a way to run one request (a GenerationService)."""
 
     @property
     def model(self) -> LoadedModel: ...
@@ -108,7 +108,7 @@ def run_bench(
     starts from an empty target cache, so no run reuses another mode's (or trial's) prompt rows.
 
     Args:
-        runners: mode name → Generator (or anything with `model` and `generate`).
+        runners: mode name → GenerationService (or anything with `model` and `generate`).
         prompts: the prompt set.
         trials: runs per prompt per mode (medians are over all of them).
         max_tokens: tokens per request.

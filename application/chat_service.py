@@ -1,4 +1,4 @@
-"""Use case: one chat turn — neutral conversation → prompt (family codec) → Generator → neutral events.
+"""Use case: one chat turn — neutral conversation → prompt (family codec) → GenerationService → neutral events.
 
 Also counts prompt tokens with the real template and tokenizer, and enforces the context window before
 any token is generated, so each dialect can answer with its clients' exact overflow wording.
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from mlx_dspark.application.generation import GenerationDone, GenerationRequest, Generator
-from mlx_dspark.application.generation import TextDelta as GeneratedText
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService
+from mlx_dspark.application.generation import TextChunk
 from mlx_dspark.application.ports import LoadedModel, Tokenizer
 from mlx_dspark.application.settings import ServerSettings
 from mlx_dspark.domain.chat import (
@@ -91,7 +91,7 @@ class _Turn:
 
 
 class ChatService:
-    """Runs chat turns on whatever Generator the engine owns.
+    """Runs chat turns on whatever GenerationService the engine owns.
 
     Args:
         families: picks the family codec of a model.
@@ -111,12 +111,12 @@ class ChatService:
             self._codecs[model.identity] = self._families(model.family, model.tokenizer.chat_template)
         return self._codecs[model.identity]
 
-    def count_tokens(self, generator: Generator, request: ChatRequest) -> int:
+    def count_tokens(self, generator: GenerationService, request: ChatRequest) -> int:
         """Prompt tokens of the request through the real chat template and tokenizer."""
         ids, _, _, _ = self._render(generator.model, request)
         return len(ids)
 
-    def stream(self, generator: Generator, request: ChatRequest) -> Iterator[ChatItem]:
+    def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
         """Yield Prepared, then text / reasoning / tool-call events, then one Finished.
 
         Raises:
@@ -137,12 +137,12 @@ class ChatService:
         done: GenerationDone | None = None
         with contextlib.closing(generator.stream(greq, prompt_ids=turn.ids)) as events:
             for event in events:
-                if isinstance(event, GeneratedText):
+                if isinstance(event, TextChunk):
                     yield from parser.feed(event.text)
                 else:
                     done = event
         yield from parser.finish()
-        if done is None:  # pragma: no cover - Generator always ends with GenerationDone
+        if done is None:  # pragma: no cover - GenerationService always ends with GenerationDone
             raise AssertionError("generation ended without a result")
         result = done.result
         reasoning = "".join(parser.reasoning_text)

@@ -1,6 +1,6 @@
 """The engine: one thread owns all MLX work; async callers submit jobs and read their results from queues.
 
-HTTP handlers never touch the model. Each job is a function of the engine's Generator returning an
+HTTP handlers never touch the model. Each job is a function of the engine's GenerationService returning an
 iterator; its items travel to the caller's asyncio queue through `loop.call_soon_threadsafe`. Cancelling a
 job (client disconnect) closes its iterator at the next item, which stops the decode loop.
 """
@@ -16,11 +16,11 @@ from typing import Any, Generic, TypeVar
 import attrs
 import structlog
 
-from mlx_dspark.application.generation import Generator
+from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.errors import CapacityExceeded
 
 T = TypeVar("T")
-Work = Callable[[Generator], Iterator[T]]
+Work = Callable[[GenerationService], Iterator[T]]
 _log = structlog.get_logger("mlx_dspark.engine")
 
 
@@ -87,20 +87,20 @@ class EngineJob(Generic[T]):
                 return
 
 
-class Engine:
-    """Owns the Generator and the one thread that runs it.
+class EngineThread:
+    """Owns the GenerationService and the one thread that runs it.
 
     Args:
-        generator_factory: builds the Generator (loads the model) on the engine thread.
+        generator_factory: builds the GenerationService (loads the model) on the engine thread.
         name: the thread's name.
     """
 
-    def __init__(self, generator_factory: Callable[[], Generator], *, name: str = "mlx-dspark-engine") -> None:
+    def __init__(self, generator_factory: Callable[[], GenerationService], *, name: str = "mlx-dspark-engine") -> None:
         self._factory = generator_factory
         self._jobs: queue.Queue[EngineJob[Any] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._ready = threading.Event()
-        self._generator: Generator | None = None
+        self._generator: GenerationService | None = None
         self.load_error: BaseException | None = None
         self._stopping = False
 
@@ -133,8 +133,8 @@ class Engine:
         return self._thread.is_alive() or (not self._ready.is_set() and not self._stopping)
 
     @property
-    def generator(self) -> Generator:
-        """The loaded Generator.
+    def generator(self) -> GenerationService:
+        """The loaded GenerationService.
 
         Raises:
             EngineDown: not loaded (yet, or ever).
@@ -183,7 +183,7 @@ class Engine:
         finally:
             self._drain()
 
-    def _run(self, job: EngineJob[Any], generator: Generator) -> None:
+    def _run(self, job: EngineJob[Any], generator: GenerationService) -> None:
         if job.cancelled:
             job._push(_END, None)
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Generator as EventStream
+from collections.abc import Generator
 from typing import Any
 
 import attrs
@@ -53,7 +53,7 @@ class GenerationRequest:
 
 
 @attrs.frozen(kw_only=True)
-class TextDelta:
+class TextChunk:
     """New text and the token ids committed with it."""
 
     text: str
@@ -87,10 +87,10 @@ class GenerationDone:
     result: GenerationResult
 
 
-GenerationEvent = TextDelta | GenerationDone
+GenerationEvent = TextChunk | GenerationDone
 
 
-class Generator:
+class GenerationService:
     """Runs requests one at a time on one model (the engine thread owns one of these).
 
     Args:
@@ -143,7 +143,7 @@ class Generator:
 
     def stream(
         self, request: GenerationRequest, prompt_ids: Sequence[int] | None = None
-    ) -> EventStream[GenerationEvent, None, None]:
+    ) -> Generator[GenerationEvent, None, None]:
         """Yield text deltas, then one GenerationDone; closing the iterator cancels the request."""
         ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(request)
         if not ids:
@@ -182,7 +182,7 @@ class Generator:
                     check = matcher.feed(detok.add(event.tokens))
                     if check.emit:
                         text_parts.append(check.emit)
-                        yield TextDelta(text=check.emit, token_ids=event.tokens)
+                        yield TextChunk(text=check.emit, token_ids=event.tokens)
                     if check.matched is not None:
                         matched = check.matched
                         break
@@ -196,7 +196,7 @@ class Generator:
             tail = matcher.feed(detok.flush()).emit + matcher.flush()
             if tail:
                 text_parts.append(tail)
-                yield TextDelta(text=tail, token_ids=())
+                yield TextChunk(text=tail, token_ids=())
         end = self._clock.now()
         if finished is not None:
             usage = finished.usage
@@ -258,8 +258,8 @@ __all__ = [
     "GenerationEvent",
     "GenerationRequest",
     "GenerationResult",
-    "Generator",
+    "GenerationService",
     "MonotonicClock",
-    "TextDelta",
+    "TextChunk",
 ]
 

@@ -1,4 +1,4 @@
-"""Use case: turn settings into a ready Generator — load the target, pick the mode's draft source and cap policy.
+"""Use case: turn settings into a ready GenerationService — load the target, pick the mode's draft source and cap policy.
 
 Fixed modes get a cap policy from this machine's measured cost curves (`--max-draft auto`) or a fixed cap;
 `--mode auto` races the available draft sources and plain decoding and runs the measured winner.
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from mlx_dspark.application.auto_mode import choose_source, measured_cap_factory
 from mlx_dspark.application.bootstrap import Services
-from mlx_dspark.application.generation import Generator
+from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.errors import DomainError, InvalidRequest
@@ -48,8 +48,8 @@ def build_generator(
     model: LoadedModel | None = None,
     mode: str | None = None,
     progress: Callable[[str], None] | None = None,
-) -> Generator:
-    """A Generator for the configured model and mode.
+) -> GenerationService:
+    """A GenerationService for the configured model and mode.
 
     Args:
         services: the wired adapters.
@@ -77,7 +77,7 @@ def build_generator(
         candidates = auto_candidates(services, settings, model, say)
         choice = choose_source(services, model, candidates, drafter_bits=bits, max_draft=cap, progress=measured)
         say(f"auto mode runs {choice.mode}" + (" (measured earlier)" if choice.from_cache else ""))
-        return Generator(
+        return GenerationService(
             model,
             source=choice.source,
             mode=choice.mode,
@@ -89,7 +89,7 @@ def build_generator(
     if source is not None and cap == 0:
         source = None  # --max-draft 0 is plain decoding, whatever the mode
     factory = measured_cap_factory(services, model, mode, source, max_draft=cap, drafter_bits=bits, progress=measured)
-    return Generator(
+    return GenerationService(
         model,
         source=source,
         mode=mode,

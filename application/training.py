@@ -432,7 +432,7 @@ def measure_drafter(
     """Greedy plain vs speculative decoding on the fixed held-out prompts, in one run (the bench use case).
 
     Args:
-        runners: {"baseline": plain Generator, kind: speculative Generator}, both on one target.
+        runners: {"baseline": plain GenerationService, kind: speculative GenerationService}, both on one target.
         kind: the drafter kind measured.
         max_tokens: new tokens per prompt.
         device: description for the card.

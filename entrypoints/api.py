@@ -1,4 +1,4 @@
-"""The Python API: `mlx_dspark.load(...)` → an Engine with generate() and stream(). Thin over the use cases."""
+"""The Python API: `mlx_dspark.load(...)` → a SpeculativeModel with generate() and stream(). Thin over the use cases."""
 
 from __future__ import annotations
 
@@ -11,24 +11,24 @@ from mlx_dspark.application.generation import (
     GenerationEvent,
     GenerationRequest,
     GenerationResult,
-    Generator,
+    GenerationService,
     Prompt,
-    TextDelta,
+    TextChunk,
 )
 from mlx_dspark.application.modes import build_generator
 from mlx_dspark.application.settings import Settings, load_settings
 from mlx_dspark.domain.tokens import SamplingParams
 
-__all__ = ["Engine", "GenerationDone", "GenerationResult", "TextDelta", "load"]
+__all__ = ["SpeculativeModel", "GenerationDone", "GenerationResult", "TextChunk", "load"]
 
 
-class Engine:
+class SpeculativeModel:
     """A loaded model with its draft source. Not thread-safe: one request at a time (the server serializes).
 
     Results carry the same fields as `mlx-dspark generate --json`.
     """
 
-    def __init__(self, generator: Generator, settings: Settings) -> None:
+    def __init__(self, generator: GenerationService, settings: Settings) -> None:
         self._gen = generator
         self.settings = settings
 
@@ -83,7 +83,7 @@ class Engine:
         chat_template: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Yield TextDelta events, then one GenerationDone with the result.
+        """Yield TextChunk events, then one GenerationDone with the result.
 
         Args:
             prompt: text (sent through the chat template unless chat_template=False), a list of
@@ -120,8 +120,8 @@ def load(
     drafter_bits: int | None = None,
     services: bootstrap.Services | None = None,
     **settings: Any,
-) -> Engine:
-    """Load a target (and its draft source) and return an Engine.
+) -> SpeculativeModel:
+    """Load a target (and its draft source) and return a SpeculativeModel.
 
     Args:
         model: "default" (embedded SmolLM2-135M-Instruct), a local dir, a Hugging Face repo id, or a .gguf file.
@@ -138,4 +138,4 @@ def load(
     if services is None:
         bootstrap.prepare_runtime()
         services = bootstrap.build(resolved)
-    return Engine(build_generator(services, resolved), resolved)
+    return SpeculativeModel(build_generator(services, resolved), resolved)

@@ -1,8 +1,8 @@
 """mlx-dspark: lossless speculative decoding on MLX.
 
     >>> from mlx_dspark import load
-    >>> engine = load("default", mode="auto")
-    >>> engine.generate("Hello", max_tokens=32).text
+    >>> model = load("default", mode="auto")
+    >>> model.generate("Hello", max_tokens=32).text
 
 Kept tiny: importing mlx_dspark.domain (or anything else) runs this file first, so nothing heavy here.
 """
@@ -15,7 +15,7 @@ __all__ = ["load"]
 
 
 def load(model: str = "default", **kwargs: Any) -> Any:
-    """Load a model (and its draft source) and return an Engine; see mlx_dspark.entrypoints.api.load."""
+    """Load a model (and its draft source) and return a SpeculativeModel; see mlx_dspark.entrypoints.api.load."""
     from mlx_dspark.entrypoints.api import load as _load
 
     return _load(model, **kwargs)

@@ -57,7 +57,7 @@ def main(argv: Sequence[str]) -> int:
         from mlx_dspark.application.bench import PlotUnavailable, plot_report, render_table, report_json, run_bench
         from mlx_dspark.application.calibration import curves_for
         from mlx_dspark.application.data import load_prompts
-        from mlx_dspark.application.generation import Generator
+        from mlx_dspark.application.generation import GenerationService
         from mlx_dspark.application.modes import build_generator
         from mlx_dspark.application.settings import MODES
         from mlx_dspark.domain.errors import DomainError, InvalidRequest
@@ -77,7 +77,7 @@ def main(argv: Sequence[str]) -> int:
             explicit = False
         if "baseline" not in modes:
             modes.insert(0, "baseline")  # speedups are always against a baseline measured in this run
-        runners: dict[str, Generator] = {}
+        runners: dict[str, GenerationService] = {}
         for mode in modes:
             try:
                 runners[mode] = build_generator(services, settings, model=model, mode=mode, progress=progress_line)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from mlx_dspark.application.generation import GenerationDone, GenerationRequest, TextDelta
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, TextChunk
 from mlx_dspark.application.modes import build_generator
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, settings_from, start
@@ -55,7 +55,7 @@ def main(argv: Sequence[str]) -> int:
             chat_template=not raw,
         )
         for event in gen.stream(request):
-            if isinstance(event, TextDelta) and not as_json:
+            if isinstance(event, TextChunk) and not as_json:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, GenerationDone):

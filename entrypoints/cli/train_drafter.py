@@ -167,7 +167,7 @@ def _measure(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     """Plain vs speculative greedy decoding on the held-out prompts; the result is added to the model card."""
     from pathlib import Path
 
-    from mlx_dspark.application.generation import Generator
+    from mlx_dspark.application.generation import GenerationService
     from mlx_dspark.application.modes import parse_max_draft
     from mlx_dspark.application.training import measure_drafter
     from mlx_dspark.domain.costmodel.draft_cap import FixedCap
@@ -180,8 +180,8 @@ def _measure(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     cap = parse_max_draft(args.max_draft)
     fixed = None if cap is None else min(cap, source.max_block)
     runners = {
-        "baseline": Generator(model, source=None, mode="baseline", clock=services.clock, telemetry=services.telemetry),
-        args.kind: Generator(
+        "baseline": GenerationService(model, source=None, mode="baseline", clock=services.clock, telemetry=services.telemetry),
+        args.kind: GenerationService(
             model,
             source=source,
             mode=args.kind,

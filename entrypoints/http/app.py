@@ -16,8 +16,8 @@ from litestar.datastructures import State
 
 from mlx_dspark.application.bootstrap import Services
 from mlx_dspark.application.chat_service import ChatService
-from mlx_dspark.application.engine import Engine
-from mlx_dspark.application.generation import Generator
+from mlx_dspark.application.engine import EngineThread
+from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support
 
@@ -49,7 +49,7 @@ def create_app(
     services: Services,
     settings: Settings | None = None,
     *,
-    engine: Engine | None = None,
+    engine: EngineThread | None = None,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
     max_body_bytes: int = DEFAULT_MAX_BODY,
 ) -> Litestar:
@@ -58,18 +58,18 @@ def create_app(
     Args:
         services: wired adapters (a fake loader in tests).
         settings: the settings tree (defaults to services.settings).
-        engine: an engine to use instead of one that builds the configured Generator.
+        engine: an engine to use instead of one that builds the configured GenerationService.
         keepalive_s: seconds of engine silence before a dialect keep-alive event.
         max_body_bytes: the largest accepted request body.
     """
     settings = settings or services.settings
 
-    def build() -> Generator:
+    def build() -> GenerationService:
         from mlx_dspark.application.modes import build_generator
 
         return build_generator(services, settings)
 
-    engine = engine or Engine(build)
+    engine = engine or EngineThread(build)
     ctx = support.HttpContext(
         engine=engine,
         chat=ChatService(services.families, settings.server),

@@ -19,7 +19,7 @@ from litestar.response import Stream
 
 from mlx_dspark.adapters.api.common import parse_json_body
 from mlx_dspark.application.chat_service import ChatItem, ChatService, Prepared
-from mlx_dspark.application.engine import Engine, EngineJob
+from mlx_dspark.application.engine import EngineThread, EngineJob
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.chat import ChatEvent, ChatRequest, Finished, Message
 from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
@@ -37,7 +37,7 @@ class BodyTooLarge(InvalidRequest):
 class HttpContext:
     """What every handler needs; stored in `app.state.ctx`."""
 
-    engine: Engine
+    engine: EngineThread
     chat: ChatService
     settings: Settings
     keepalive_s: float

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlx_dspark.application.bootstrap import build
-from mlx_dspark.application.generation import GenerationDone, GenerationRequest, Generator, TextDelta
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService, TextChunk
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.tokens import SamplingParams
@@ -67,7 +67,7 @@ def make(source=True, eos=frozenset()):
     telemetry = RecordingTelemetrySink()
     services = build(load_settings({}, {}), loader=FakeLoader(model), telemetry=telemetry, clock=FakeClock())
     src = ScriptedDraftSource(target, lambda r, i: i < 2, block=4) if source else None
-    gen = Generator(model, source=src, mode="scripted" if source else "baseline", clock=services.clock,
+    gen = GenerationService(model, source=src, mode="scripted" if source else "baseline", clock=services.clock,
                     telemetry=services.telemetry)
     return gen, target, telemetry
 
@@ -75,7 +75,7 @@ def make(source=True, eos=frozenset()):
 def collect(gen, request):
     deltas, result = [], None
     for ev in gen.stream(request):
-        if isinstance(ev, TextDelta):
+        if isinstance(ev, TextChunk):
             deltas.append(ev.text)
         elif isinstance(ev, GenerationDone):
             result = ev.result
@@ -131,9 +131,9 @@ def test_seeded_sampling_is_reproducible_through_the_use_case():
 
 
 def test_a_target_shared_by_two_generators_is_never_reused_stale():
-    # Generator A caches a conversation; B moves the shared target elsewhere; A must not reuse A's old rows.
+    # GenerationService A caches a conversation; B moves the shared target elsewhere; A must not reuse A's old rows.
     gen_a, _, _ = make()
-    gen_b = Generator(gen_a.model, source=None, mode="baseline", clock=FakeClock(), telemetry=RecordingTelemetrySink())
+    gen_b = GenerationService(gen_a.model, source=None, mode="baseline", clock=FakeClock(), telemetry=RecordingTelemetrySink())
     _, first = collect(gen_a, GenerationRequest(prompt="abcdef", max_tokens=6))
     collect(gen_b, GenerationRequest(prompt="hijklm", max_tokens=6))
     follow_up = "abcdef" + CharTokenizer().decode(first.token_ids)

@@ -18,22 +18,22 @@ from mlx_dspark.application.bench import (
     run_bench,
 )
 from mlx_dspark.application.data import builtin_prompts, load_prompts
-from mlx_dspark.application.generation import GenerationRequest, GenerationResult, Generator
+from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from tests.fakes.clock import RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import ManualClock, TimedSource, TimedTarget, flat, loaded
 
 
-def generators() -> tuple[dict[str, Generator], LoadedModel]:
+def generators() -> tuple[dict[str, GenerationService], LoadedModel]:
     clock = ManualClock(tick=1e-6)
     target = TimedTarget(clock, flat(0.05))
     model = loaded(target)
     sink = RecordingTelemetrySink()
     good = TimedSource(target, lambda cap: 0.001, right=lambda r, i: i < 3, block=5, name="dspark")
     gens = {
-        "dspark": Generator(model, source=good, mode="dspark", clock=clock, telemetry=sink),
-        "baseline": Generator(model, source=None, mode="baseline", clock=clock, telemetry=sink),
+        "dspark": GenerationService(model, source=good, mode="dspark", clock=clock, telemetry=sink),
+        "baseline": GenerationService(model, source=None, mode="baseline", clock=clock, telemetry=sink),
     }
     return gens, model
 
@@ -92,7 +92,7 @@ def test_bench_json_schema() -> None:
 class Garbler:
     """A runner that returns the baseline's output with one token changed (what a lossy mode would do)."""
 
-    def __init__(self, inner: Generator) -> None:
+    def __init__(self, inner: GenerationService) -> None:
         self._inner = inner
 
     @property

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from mlx_dspark.application import bootstrap
-from mlx_dspark.application.generation import GenerationRequest, Generator
+from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.tokens import SamplingParams
@@ -30,8 +30,8 @@ def test_shipped_drafter_is_lossless_on_the_default_model(services_and_model: tu
     services, model = services_and_model
     assert kind in services.loader.available_drafters(model)
     source = services.loader.load_drafter(kind, None, model, bits=None)
-    plain = Generator(model, source=None, mode="baseline", clock=services.clock, telemetry=services.telemetry)
-    spec = Generator(
+    plain = GenerationService(model, source=None, mode="baseline", clock=services.clock, telemetry=services.telemetry)
+    spec = GenerationService(
         model,
         source=source,
         mode=kind,
