@@ -1,7 +1,7 @@
 """Use case: `--mode auto` picks the draft source for a (target, drafter) pair by measurement.
 
-A short race on built-in prompts decides at first use (stored with the calibration); online, a
-switching source keeps per-source observed throughput and moves to another source between requests
+A short race on built-in prompts decides at first use (stored with the calibration); online, the
+AutoSelector keeps per-source observed throughput and moves to another source between requests
 when it is measurably faster. Every source is verified by the target, so any choice is lossless.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -20,14 +19,11 @@ from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves
-from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, MeasuredCap
-from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
-from mlx_dspark.domain.events import Finished
+from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap, MeasuredCap
+from mlx_dspark.domain.drafting.selection import FixedSelector, Selection, SourceSelector
+from mlx_dspark.domain.events import Finished, SourceSwitched, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
-
-if TYPE_CHECKING:
-    from mlx_dspark.application.bootstrap import Services
 
 CapPolicyFactory = Callable[[], CapPolicy]
 RACE_PROMPTS = ("chat-03", "code-02", "math-05")
@@ -107,16 +103,17 @@ def race(
 @attrs.define
 class _Candidate:
     source: DraftSource | None
-    policy: CapPolicy
+    policy: CapPolicy | None  # kept across requests, so a MeasuredCap keeps what it learned
     rate: float  # EWMA of observed decode tokens/s, seeded from the race
 
 
-class SwitchingDraftSource:
-    """A draft source that delegates to one candidate per request and may switch between requests.
+class AutoSelector:
+    """`--mode auto` online: picks one candidate per request from observed throughput.
 
-    Per candidate it keeps an EWMA of observed throughput (seeded with the race result). At each new
-    request it takes the best one; a candidate not measured for `explore_every` requests runs once so a
-    stale estimate can recover. Switching only at request boundaries keeps feature-reading drafters whole.
+    Per candidate it keeps an EWMA of observed decode throughput (seeded with the race result). At each
+    new request it takes the best one; a candidate not measured for `explore_every` requests runs once so
+    a stale estimate can recover. A switch is reported as a SourceSwitched event. Switching only at
+    request boundaries keeps feature-reading drafters whole.
     """
 
     def __init__(
@@ -133,9 +130,7 @@ class SwitchingDraftSource:
             raise ValueError("no candidates")
         self._candidates = {
             name: _Candidate(
-                source=src,
-                policy=policies[name]() if src is not None else FixedCap(0),
-                rate=float(rates.get(name, 0.0)),
+                source=src, policy=policies[name]() if src is not None else None, rate=float(rates.get(name, 0.0))
             )
             for name, src in candidates.items()
         }
@@ -145,35 +140,16 @@ class SwitchingDraftSource:
         self.current = max(self._candidates, key=lambda n: self._candidates[n].rate)
         self._requests = 0
         self._seen = dict.fromkeys(self._candidates, 0)  # request index of each candidate's last measurement
-        self._tokens = 0
-        self._seconds = 0.0
-        self._switch: str | None = None
 
     @property
-    def name(self) -> str:
+    def mode(self) -> str:
         return "auto"
-
-    @property
-    def max_block(self) -> int:
-        return max((c.source.max_block for c in self._candidates.values() if c.source is not None), default=0)
-
-    @property
-    def uses_features(self) -> bool:
-        return any(c.source is not None and c.source.uses_features for c in self._candidates.values())
 
     def rates(self) -> dict[str, float]:
         """Current throughput estimates per candidate."""
         return {name: c.rate for name, c in self._candidates.items()}
 
-    def _fold(self) -> None:
-        if self._seconds > 0 and self._tokens > 0:
-            cand = self._candidates[self.current]
-            observed = self._tokens / self._seconds
-            cand.rate = observed if cand.rate <= 0 else cand.rate + self._alpha * (observed - cand.rate)
-        self._tokens, self._seconds = 0, 0.0
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        self._fold()
+    def select(self, prompt: Sequence[int]) -> Selection:
         self._requests += 1
         self._seen[self.current] = self._requests - 1
         cands = self._candidates
@@ -186,55 +162,23 @@ class SwitchingDraftSource:
             stale = [n for n in cands if n != self.current and self._requests - self._seen[n] > self._explore_every]
             if stale:
                 chosen, why = min(stale, key=lambda n: self._seen[n]), "explore"
+        switched = None
         if chosen != self.current:
-            self._switch = (
-                f"{why}: source {self.current} → {chosen} "
-                f"(estimated {cands[chosen].rate:.1f} vs {cands[self.current].rate:.1f} tok/s)"
+            switched = SourceSwitched(
+                old=self.current,
+                new=chosen,
+                reason=f"{why}: estimated {cands[chosen].rate:.1f} vs {cands[self.current].rate:.1f} tok/s",
             )
             self.current = chosen
-        src = cands[self.current].source
-        if src is not None:
-            src.begin(prompt)
+        cand = cands[self.current]
+        return Selection(name=self.current, source=cand.source, policy=cand.policy, switched=switched)
 
-    def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
-        src = self._candidates[self.current].source
-        if src is None or cap <= 0:
-            return EMPTY_BLOCK
-        if not src.uses_features and ctx.features is not None:
-            ctx = attrs.evolve(ctx, features=None)
-        cap = min(cap, src.max_block)
-        return src.propose(ctx, cap, sampling, uniforms[:cap])
-
-    # -- the cap-policy side, called through SwitchingCap --------------------------------------------------
-
-    def cap(self, depth: int) -> int:
-        return self._candidates[self.current].policy.cap(depth)
-
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
-        self._tokens += accepted + 1
-        self._seconds += seconds
-        cand = self._candidates[self.current]
-        decision = cand.policy.observe(drafted, accepted, seconds, depth)
-        if self._switch is not None:
-            reason, self._switch = self._switch, None
-            cap = cand.policy.cap(depth) if decision is None else decision.new
-            old = decision.old if decision is not None else cap
-            extra = f"; {decision.reason}" if decision is not None else ""
-            return CapDecision(old=old, new=cap, reason=reason + extra)
-        return decision
-
-
-@attrs.define
-class SwitchingCap:
-    """The per-request cap policy of a SwitchingDraftSource (its state lives in the source)."""
-
-    source: SwitchingDraftSource
-
-    def cap(self, depth: int) -> int:
-        return self.source.cap(depth)
-
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
-        return self.source.observe(drafted, accepted, seconds, depth)
+    def finished(self, selection: Selection, usage: Usage) -> None:
+        cand = self._candidates.get(selection.name)
+        if cand is None or usage.decode_s <= 0 or usage.generated_tokens < 2:
+            return
+        observed = (usage.generated_tokens - 1) / usage.decode_s
+        cand.rate = observed if cand.rate <= 0 else cand.rate + self._alpha * (observed - cand.rate)
 
 
 @attrs.frozen(kw_only=True)
@@ -242,18 +186,16 @@ class AutoChoice:
     """What `--mode auto` runs.
 
     Attributes:
-        mode: the winning candidate's name ("dspark", "dflash", "lookup", or the plain one, e.g. "baseline").
-        source: the draft source to give the GenerationService (a SwitchingDraftSource when online switching is
-            on and there is more than one candidate), or None for plain decoding.
-        cap_policy_factory: the per-request cap policy factory (None = plain decoding).
+        mode: the race winner's name ("dspark", "dflash", "lookup", or the plain one, e.g. "baseline").
+        selector: what to give the GenerationService: an AutoSelector when online switching is on and
+            there is more than one candidate, else a FixedSelector over the winner.
         rates: measured decode tokens/s per candidate (the race).
         curves: calibrated cost curves per candidate.
         from_cache: whether the race result came from the calibration store.
     """
 
     mode: str
-    source: DraftSource | None
-    cap_policy_factory: CapPolicyFactory | None
+    selector: SourceSelector
     rates: Mapping[str, float]
     curves: Mapping[str, CostCurves]
     from_cache: bool
@@ -263,13 +205,6 @@ def race_key(model: LoadedModel, candidates: Mapping[str, DraftSource | None], b
     """The store key of a race: the target plus every candidate's identity."""
     names = ",".join(sorted(f"{name}={drafter_identity(name, src)}" for name, src in candidates.items()))
     return CalibrationKey(target=model.identity, drafter=f"race:{names}", drafter_bits=bits)
-
-
-def choose_source(
-    services: Services, model: LoadedModel, candidates: Mapping[str, DraftSource | None], **options: Any
-) -> AutoChoice:
-    """`measure_and_choose` with the store and clock of `services` (what `application/modes.py` calls)."""
-    return measure_and_choose(services.calibration, model, candidates, services.clock, **options)
 
 
 def measure_and_choose(
@@ -290,21 +225,21 @@ def measure_and_choose(
     """Pick the fastest draft source for `model` by measurement (cached in the store).
 
     Args:
-        store: the calibration store (`services.calibration`).
+        store: the calibration store.
         model: the loaded target.
         candidates: mode name → loaded draft source; a name mapped to None (e.g. "baseline") is plain decoding.
-        clock: monotonic time (`services.clock`).
+        clock: monotonic time.
         drafter_bits: drafter quantization, part of the cache key.
         max_draft: the parsed `--max-draft` (None = auto).
         force: re-measure curves and re-run the race (`mlx-dspark calibrate`).
-        online: wrap the candidates in a SwitchingDraftSource that may switch between requests.
+        online: an AutoSelector over the candidates that may switch between requests.
         race_tokens: tokens generated per race prompt.
         race_prompts: token ids to race on (default: three built-in prompts, one per class).
         plan: calibration effort.
         progress: status-line callback.
 
     Returns:
-        The choice; `source` and `cap_policy_factory` go straight into GenerationService.
+        The choice; its `selector` goes straight into GenerationService.
     """
     cands = dict(candidates)
     if not cands:
@@ -336,29 +271,17 @@ def measure_and_choose(
     if not from_cache:
         clean = {n: (r if math.isfinite(r) else 0.0) for n, r in rates.items()}
         store.save(key, Calibration(race=clean, chosen=winner, created=time.time()))
+    selector: SourceSelector
     if online and len(cands) > 1:
-        switching = SwitchingDraftSource(cands, policies, rates)
-        return AutoChoice(
-            mode=winner,
-            source=switching,
-            cap_policy_factory=lambda: SwitchingCap(switching),
-            rates=rates,
-            curves=curves,
-            from_cache=from_cache,
-        )
-    source = cands[winner]
-    return AutoChoice(
-        mode=winner,
-        source=source,
-        cap_policy_factory=policies[winner] if source is not None else None,
-        rates=rates,
-        curves=curves,
-        from_cache=from_cache,
-    )
+        selector = AutoSelector(cands, policies, rates)
+    else:
+        selector = FixedSelector(winner, cands[winner], policies[winner] if cands[winner] is not None else None)
+    return AutoChoice(mode=winner, selector=selector, rates=rates, curves=curves, from_cache=from_cache)
 
 
 def measured_cap_factory(
-    services: Services,
+    store: CalibrationStore,
+    clock: Clock,
     model: LoadedModel,
     mode: str,
     source: DraftSource | None,
@@ -376,7 +299,5 @@ def measured_cap_factory(
         return None
     if max_draft is not None:
         return cap_policy_factory(max_draft, None, source.max_block)
-    curves = curves_for(
-        services.calibration, model, {mode: source}, services.clock, drafter_bits=drafter_bits, progress=progress
-    )
+    curves = curves_for(store, model, {mode: source}, clock, drafter_bits=drafter_bits, progress=progress)
     return cap_policy_factory(None, curves[mode], source.max_block)

@@ -1,24 +1,27 @@
 """Use case: `mlx-dspark bench` — warm runs of each mode on a fixed prompt set, the baseline measured in
-the same run, a lossless check against it, and the report as a table, JSON or a PNG plot.
+the same run, a lossless check against it, and the report (data and its JSON document; the CLI renders
+the table and the plot).
 """
 
 from __future__ import annotations
 
-import importlib
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
+from mlx_dspark.application.calibration import Progress, curves_for
 from mlx_dspark.application.data import PromptSet
-from mlx_dspark.application.generation import GenerationRequest, GenerationResult
-from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
+from mlx_dspark.application.ports import CalibrationStore, LoadedModel
 from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector
+from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
 BENCH_SCHEMA = "mlx-dspark/bench/1"
-BASELINE = "baseline"
+BASELINE = PLAIN
 
 
 class BenchRunner(Protocol):
@@ -263,73 +266,21 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
     return doc
 
 
-def render_table(report: BenchReport) -> str:
-    """The terminal table: one row per mode."""
-    head = ("mode", "decode tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", "lossless")
-    rows = [head]
-    for m in report.modes:
-        lossless = "n/a" if m.lossless is None else ("yes" if m.lossless else f"NO ({len(m.mismatched)})")
-        rows.append(
-            (
-                m.mode,
-                f"{m.decode_tok_s:.2f}",
-                f"{m.e2e_tok_s:.2f}",
-                f"{m.ttft_s * 1e3:.0f}",
-                f"{m.mean_accepted:.2f}",
-                "n/a" if m.speedup is None else f"{m.speedup:.2f}x",
-                lossless,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    title = (
-        f"{report.model}: {len(report.prompt_set.prompts)} prompts ({report.prompt_set.name} "
-        f"{report.prompt_set.version}) × {report.trials} trials, {report.max_tokens} tokens, "
-        f"temperature {report.temperature:g}; medians"
-    )
-    return title + "\n" + "\n".join(lines) + "\n"
-
-
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed (it is the optional `plot` extra)."""
-
-
-def plot_report(report: BenchReport, path: str) -> None:
-    """Write a PNG: decode tok/s per mode, and the verify/drafter cost curves.
-
-    Raises:
-        PlotUnavailable: matplotlib is missing (`pip install 'mlx-dspark[plot]'`).
-    """
-    try:
-        # Optional dependency: imported by name so type checking does not need it installed.
-        matplotlib: Any = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt: Any = importlib.import_module("matplotlib.pyplot")
-    except ImportError as exc:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'mlx-dspark[plot]'") from exc
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [m.mode for m in report.modes]
-    ax1.bar(names, [m.decode_tok_s for m in report.modes], color="tab:blue")
-    ax1.set_ylabel("decode tokens/s (median)")
-    ax1.set_title(f"{report.model}")
-    for i, m in enumerate(report.modes):
-        if m.speedup is not None:
-            ax1.annotate(f"{m.speedup:.2f}x", (i, m.decode_tok_s), ha="center", va="bottom")
-    plotted_verify = False
-    for name, c in report.curves.items():
-        if not plotted_verify:
-            xs = sorted(c.verify_s)
-            ax2.plot(xs, [c.verify_s[x] * 1e3 for x in xs], marker="o", label="verify (by width)")
-            plotted_verify = True
-        if c.draft_s:
-            xs = sorted(c.draft_s)
-            ax2.plot(xs, [c.draft_s[x] * 1e3 for x in xs], marker=".", label=f"{name} drafter (by cap)")
-    ax2.set_xlabel("width / cap")
-    ax2.set_ylabel("ms")
-    ax2.set_title("measured cost curves")
-    if plotted_verify:
-        ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def runner_curves(
+    store: CalibrationStore,
+    clock: Clock,
+    model: LoadedModel,
+    runners: Mapping[str, GenerationService],
+    *,
+    drafter_bits: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, CostCurves]:
+    """The calibrated cost curves of every fixed speculative mode among `runners` (for the JSON and the plot)."""
+    sources: dict[str, DraftSource | None] = {
+        mode: g.selector.source
+        for mode, g in runners.items()
+        if isinstance(g.selector, FixedSelector) and g.selector.source is not None
+    }
+    if not sources:
+        return {}
+    return curves_for(store, model, sources, clock, drafter_bits=drafter_bits, progress=progress)

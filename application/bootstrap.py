@@ -1,6 +1,8 @@
-"""The composition root: the one place that wires driven adapters to ports.
+"""The composition root: the one place that wires driven adapters to ports (only entrypoints import it).
 
-Tests pass fakes as keyword overrides; production code calls build(settings) with none.
+Tests pass fakes as keyword overrides; production code calls build(settings) with none. Process-wide
+runtime facts that entrypoints need before or beside the services (BLAS, device report, embedded model
+wheels) come from here too, so no entrypoint imports a driven adapter.
 """
 
 from __future__ import annotations
@@ -13,21 +15,11 @@ import attrs
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
 from mlx_dspark.application.ports import CalibrationStore, DrafterTrainer, ModelLoader, TrainingTarget
+from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
-from mlx_dspark.domain.ports import Clock, TelemetrySink
+from mlx_dspark.domain.ports import TelemetrySink
 
-
-@attrs.frozen(kw_only=True)
-class Services:
-    """Everything use cases need, typed by port so mypy checks each adapter against its Protocol."""
-
-    settings: Settings
-    clock: Clock
-    telemetry: TelemetrySink
-    loader: ModelLoader
-    extras: dict[str, Any] = attrs.Factory(dict)
-    calibration: CalibrationStore = attrs.Factory(lambda self: _default_calibration(self.settings), takes_self=True)
-    families: FamilySelector = attrs.Factory(lambda: _default_families())  # noqa: PLW0108 - defined below
+__all__ = ["Services", "build", "build_trainer", "install_default_models", "prepare_runtime", "runtime_report"]
 
 
 def _default_families() -> FamilySelector:
@@ -98,21 +90,21 @@ def install_default_models(models: tuple[str, ...] = ("default",), *, quiet: boo
 
 
 def build(settings: Settings, **overrides: Any) -> Services:
-    """Wire the real adapters, replacing any named in `overrides` (clock, telemetry, loader, extras).
+    """Wire the real adapters, replacing any named in `overrides` (clock, telemetry, loader, calibration, families).
 
     Adapters are imported lazily so that building services never imports MLX until a model is loaded.
     """
-    unknown = set(overrides) - {f.name for f in attrs.fields(Services)}
+    unknown = set(overrides) - {f.name for f in attrs.fields(Services) if f.name != "settings"}
     if unknown:
         raise TypeError(f"unknown overrides: {sorted(unknown)}")
-    clock: Clock = overrides.get("clock") or MonotonicClock()
-    telemetry: TelemetrySink = overrides.get("telemetry") or _default_telemetry()
-    loader: ModelLoader = overrides.get("loader") or _default_loader(settings)
-    more = {"calibration": overrides["calibration"]} if overrides.get("calibration") is not None else {}
-    if overrides.get("families") is not None:
-        more["families"] = overrides["families"]
+    given = {k: v for k, v in overrides.items() if v is not None}
     return Services(
-        settings=settings, clock=clock, telemetry=telemetry, loader=loader, extras=overrides.get("extras", {}), **more
+        settings=settings,
+        clock=given.get("clock") or MonotonicClock(),
+        telemetry=given.get("telemetry") or _default_telemetry(),
+        loader=given.get("loader") or _default_loader(settings),
+        calibration=given.get("calibration") or _default_calibration(settings),
+        families=given.get("families") or _default_families(),
     )
 
 
@@ -126,19 +118,15 @@ def build_trainer(settings: Settings) -> DrafterTrainer:
 
     def open_target(name: str) -> TrainingTarget:
         ckpt = loader.load_checkpoint(name)
-        hf = getattr(ckpt.tokenizer, "_tokenizer", ckpt.tokenizer)
-        added = getattr(hf, "added_tokens_decoder", {}) or {}
-        special = {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
-        special |= {int(i) for i in getattr(hf, "all_special_ids", []) or []}
-        reserved = {getattr(hf, f"{k}_token_id", None) for k in ("bos", "pad", "unk", "eos")}
+        tokenizer = HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
         return TrainingTarget(
             name=name,
             identity=ckpt.identity,
-            tokenizer=HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path)),
+            tokenizer=tokenizer,
             handle=ckpt.model,
-            tokenizer_size=len(hf),
-            special_ids=tuple(sorted(special)),
-            reserved_ids=tuple(sorted(int(i) for i in reserved if isinstance(i, int))),
+            tokenizer_size=tokenizer.vocab_size,
+            special_ids=tokenizer.special_ids,
+            reserved_ids=tokenizer.reserved_ids,
         )
 
     return MlxDrafterTrainer(open_target)

@@ -7,13 +7,12 @@ any token is generated, so each dialect can answer with its clients' exact overf
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import attrs
 
-from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService
-from mlx_dspark.application.generation import TextChunk
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService, TextChunk
 from mlx_dspark.application.ports import LoadedModel, Tokenizer
 from mlx_dspark.application.settings import ServerSettings
 from mlx_dspark.domain.chat import (
@@ -21,14 +20,14 @@ from mlx_dspark.domain.chat import (
     ChatRequest,
     ChatUsage,
     Conversation,
-    Finished,
-    FinishReason,
     OutputTooLong,
     PromptTooLong,
     ToolChoiceMode,
     ToolSpec,
+    TurnFinished,
 )
 from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.tokens import FinishReason
 
 
 class RenderedPrompt(Protocol):
@@ -117,7 +116,7 @@ class ChatService:
         return len(ids)
 
     def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
-        """Yield Prepared, then text / reasoning / tool-call events, then one Finished.
+        """Yield Prepared, then text / reasoning / tool-call events, then one TurnFinished.
 
         Raises:
             PromptTooLong: the prompt alone does not fit the context window.
@@ -155,10 +154,13 @@ class ChatService:
             if reasoning
             else 0,
         )
-        yield Finished(
-            reason=_finish_reason(result.finish_reason, parser.calls),
+        reason = result.finish_reason
+        if parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):
+            reason = FinishReason.TOOL_CALLS
+        yield TurnFinished(
+            reason=reason,
             usage=usage,
-            stop_sequence=result.stop_sequence if result.finish_reason == "stop_sequence" else None,
+            stop_sequence=result.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None,
         )
 
     def _render(
@@ -216,15 +218,3 @@ def _offered_tools(request: ChatRequest) -> tuple[ToolSpec, ...]:
     return tools
 
 
-def _finish_reason(reason: str, calls: int) -> FinishReason:
-    if reason == "stop_sequence":
-        return FinishReason.STOP_SEQUENCE
-    if reason in ("length", "context"):
-        return FinishReason.MAX_TOKENS
-    return FinishReason.TOOL_CALLS if calls else FinishReason.END_TURN
-
-
-def describe(request: ChatRequest) -> Mapping[str, Any]:
-    """Fields for the canonical request log line."""
-    conv = request.conversation
-    return {"messages": len(conv.messages), "tools": len(conv.tools), "thinking": request.thinking}

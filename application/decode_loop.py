@@ -13,6 +13,7 @@ from mlx_dspark.domain.budget import plan_commit, round_cap
 from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftContext
+from mlx_dspark.domain.drafting.selection import PLAIN
 from mlx_dspark.domain.errors import ContextTooLong, InvalidRequest
 from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished, TokensCommitted, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel
@@ -88,6 +89,7 @@ def decode(
             mean_accepted=stats.mean_accepted,
             prefill_s=prefill_s,
             decode_s=clock.now() - decode_start,
+            source=source.name if source is not None else PLAIN,
         )
 
     index = 0

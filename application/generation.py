@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -18,6 +17,7 @@ from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.detokenizer import IncrementalDetokenizer
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
+from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource, TelemetrySink
@@ -66,7 +66,7 @@ class GenerationResult:
 
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str
+    finish_reason: FinishReason
     stop_sequence: str | None
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -80,6 +80,7 @@ class GenerationResult:
     time_to_first_token_s: float
     mode: str
     cap: int
+    source: str = PLAIN  # the draft source that ran (auto mode may switch between requests)
 
 
 @attrs.frozen(kw_only=True)
@@ -95,31 +96,35 @@ class GenerationService:
 
     Args:
         model: the loaded target.
-        source: the draft source for this mode, or None for plain decoding.
-        mode: the mode name reported in results.
-        cap_policy_factory: a fresh cap policy per request (None = the source's full block).
         clock: monotonic time.
-        telemetry: receives every decode event.
+        telemetry: receives every decode event (and SourceSwitched when the selector switches).
+        selector: picks the (draft source, cap policy) of each request; for a fixed mode pass
+            `source`, `mode` and `cap_policy_factory` instead (a FixedSelector over them).
+        source: the fixed mode's draft source, or None for plain decoding.
+        mode: the fixed mode's name, reported in results.
+        cap_policy_factory: the fixed mode's fresh cap policy per request (None = the source's full block).
     """
 
     def __init__(
         self,
         model: LoadedModel,
         *,
-        source: DraftSource | None,
-        mode: str,
         clock: Clock,
         telemetry: TelemetrySink,
+        selector: SourceSelector | None = None,
+        source: DraftSource | None = None,
+        mode: str = PLAIN,
         cap_policy_factory: Callable[[], CapPolicy] | None = None,
-        max_cap: int | None = None,
     ) -> None:
         self.model = model
-        self.source = source
-        self.mode = mode
+        self.selector: SourceSelector = selector or FixedSelector(mode, source, cap_policy_factory)
         self._clock = clock
         self._telemetry = telemetry
-        self._cap_policy_factory = cap_policy_factory
-        self._max_cap = max_cap
+
+    @property
+    def mode(self) -> str:
+        """The mode name ("auto" or a fixed mode)."""
+        return self.selector.mode
 
     def encode_prompt(self, request: GenerationRequest) -> list[int]:
         """Token ids of the request's prompt, through the chat template where asked."""
@@ -138,9 +143,6 @@ class GenerationService:
         text = tok.render_chat(prompt, tools=request.tools, template_kwargs=request.template_kwargs)  # type: ignore[arg-type]
         return tok.encode(text, add_special_tokens=False)
 
-    def count_tokens(self, request: GenerationRequest) -> int:
-        return len(self.encode_prompt(request))
-
     def stream(
         self, request: GenerationRequest, prompt_ids: Sequence[int] | None = None
     ) -> Generator[GenerationEvent, None, None]:
@@ -151,15 +153,17 @@ class GenerationService:
         stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
         # Ask the target what it holds: other users of the same target (bench, calibration) move it too.
         reuse = _common_prefix(self.model.target.cached_ids, ids)
-        policy = self._cap_policy_factory() if (self._cap_policy_factory and self.source) else None
+        selection = self.selector.select(ids)
+        if selection.switched is not None:
+            self._telemetry.emit(request.request_id, selection.switched)
         events = decode(
             self.model.target,
             ids,
             request.sampling,
             stop_rule,
             self._clock,
-            source=self.source,
-            cap_policy=policy,
+            source=selection.source,
+            cap_policy=selection.policy,
             reuse_prefix=reuse,
             context_window=self.model.context_window,
         )
@@ -202,17 +206,24 @@ class GenerationService:
             usage = finished.usage
             reason = finished.reason
         else:
-            usage = Usage(prompt_tokens=len(ids), generated_tokens=len(tokens), cached_prompt_tokens=reuse)
+            usage = Usage(
+                prompt_tokens=len(ids),
+                generated_tokens=len(tokens),
+                cached_prompt_tokens=reuse,
+                decode_s=max(end - (first_token_at or end), 0.0),
+                source=selection.name,
+            )
             reason = FinishReason.STOP_SEQUENCE
             finished = Finished(reason=reason, usage=usage, stop_sequence=matched)
             self._telemetry.emit(request.request_id, finished)
+        self.selector.finished(selection, usage)
         ttft = (first_token_at - start) if first_token_at is not None else end - start
         decode_s = max(end - (first_token_at or end), 1e-9)
         yield GenerationDone(
             result=GenerationResult(
                 text="".join(text_parts),
                 token_ids=tuple(tokens),
-                finish_reason=reason.value,
+                finish_reason=reason,
                 stop_sequence=matched,
                 prompt_tokens=len(ids),
                 cached_prompt_tokens=usage.cached_prompt_tokens,
@@ -226,6 +237,7 @@ class GenerationService:
                 time_to_first_token_s=ttft,
                 mode=self.mode,
                 cap=max(caps, default=0),
+                source=selection.name,
             )
         )
 

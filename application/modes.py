@@ -1,22 +1,25 @@
-"""Use case: turn settings into a ready GenerationService — load the target, pick the mode's draft source and cap policy.
+"""Use case: settings → a ready GenerationService (load the target, the mode's source selector and cap policy).
 
 Fixed modes get a cap policy from this machine's measured cost curves (`--max-draft auto`) or a fixed cap;
-`--mode auto` races the available draft sources and plain decoding and runs the measured winner.
+`--mode auto` races the available draft sources and plain decoding and runs an AutoSelector over them.
+Also the one place that decides which modes a command runs (`bench_modes`) and which sources auto races.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from mlx_dspark.application.auto_mode import choose_source, measured_cap_factory
-from mlx_dspark.application.bootstrap import Services
+from mlx_dspark.application.auto_mode import measure_and_choose, measured_cap_factory
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.ports import LoadedModel
-from mlx_dspark.application.settings import Settings
+from mlx_dspark.application.services import Services
+from mlx_dspark.application.settings import MODES, Settings
+from mlx_dspark.domain.drafting.selection import PLAIN
 from mlx_dspark.domain.errors import DomainError, InvalidRequest
 from mlx_dspark.domain.ports import DraftSource
 
 SPECULATIVE_KINDS = ("dspark", "dflash", "lookup")
+BENCH_MODES = (PLAIN, "lookup", "dflash", "dspark", "auto")
 
 
 def parse_max_draft(value: str | int | None) -> int | None:
@@ -36,7 +39,7 @@ def parse_max_draft(value: str | int | None) -> int | None:
 
 def load_source(services: Services, settings: Settings, model: LoadedModel, kind: str) -> DraftSource | None:
     """The draft source of one mode ("baseline" → None)."""
-    if kind == "baseline":
+    if kind == PLAIN:
         return None
     return services.loader.load_drafter(kind, settings.model.drafter, model, bits=settings.model.drafter_bits)
 
@@ -75,20 +78,25 @@ def build_generator(
     bits = settings.model.drafter_bits
     if mode == "auto":
         candidates = auto_candidates(services, settings, model, say)
-        choice = choose_source(services, model, candidates, drafter_bits=bits, max_draft=cap, progress=measured)
+        choice = measure_and_choose(
+            services.calibration,
+            model,
+            candidates,
+            services.clock,
+            drafter_bits=bits,
+            max_draft=cap,
+            progress=measured,
+        )
         say(f"auto mode runs {choice.mode}" + (" (measured earlier)" if choice.from_cache else ""))
         return GenerationService(
-            model,
-            source=choice.source,
-            mode=choice.mode,
-            clock=services.clock,
-            telemetry=services.telemetry,
-            cap_policy_factory=choice.cap_policy_factory,
+            model, selector=choice.selector, clock=services.clock, telemetry=services.telemetry
         )
     source = load_source(services, settings, model, mode)
     if source is not None and cap == 0:
         source = None  # --max-draft 0 is plain decoding, whatever the mode
-    factory = measured_cap_factory(services, model, mode, source, max_draft=cap, drafter_bits=bits, progress=measured)
+    factory = measured_cap_factory(
+        services.calibration, services.clock, model, mode, source, max_draft=cap, drafter_bits=bits, progress=measured
+    )
     return GenerationService(
         model,
         source=source,
@@ -100,19 +108,71 @@ def build_generator(
 
 
 def auto_candidates(
-    services: Services, settings: Settings, model: LoadedModel, say: Callable[[str], None]
+    services: Services,
+    settings: Settings,
+    model: LoadedModel,
+    say: Callable[[str], None],
+    *,
+    kinds: Sequence[str] | None = None,
 ) -> dict[str, DraftSource | None]:
-    """Plain decoding plus every draft source that loads for this target (failures are reported, not fatal)."""
-    candidates: dict[str, DraftSource | None] = {"baseline": None}
+    """Plain decoding plus every draft source that loads for this target.
+
+    Args:
+        kinds: the sources to try (default: every available one, failures reported and skipped); when
+            given, a source that fails to load raises.
+    """
+    candidates: dict[str, DraftSource | None] = {PLAIN: None}
     available = set(services.loader.available_drafters(model))
-    for kind in SPECULATIVE_KINDS:
-        if kind not in available:
-            continue
+    wanted = [k for k in kinds if k != PLAIN] if kinds is not None else [k for k in SPECULATIVE_KINDS if k in available]
+    for kind in wanted:
         try:
             source = load_source(services, settings, model, kind)
         except DomainError as exc:
+            if kinds is not None:
+                raise
             say(f"{kind} skipped: {exc}")
             continue
         if source is not None:
             candidates[kind] = source
     return candidates
+
+
+def bench_modes(services: Services, model: LoadedModel, requested: Sequence[str] | None) -> tuple[list[str], bool]:
+    """The modes `mlx-dspark bench` runs: the requested ones (checked), else plain decoding, every available
+    drafter and auto; plain decoding always first, since speedups are against it.
+
+    Returns:
+        The modes and whether they were asked for explicitly (then a mode that fails to build is an error).
+    """
+    if requested:
+        modes = list(requested)
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            raise InvalidRequest(message=f"unknown mode(s) {bad}; choose from {', '.join(MODES)}", param="modes")
+    else:
+        available = set(services.loader.available_drafters(model))
+        modes = [m for m in BENCH_MODES if m in {PLAIN, "auto"} or m in available]
+    if PLAIN not in modes:
+        modes.insert(0, PLAIN)
+    return modes, bool(requested)
+
+
+def bench_runners(
+    services: Services,
+    settings: Settings,
+    model: LoadedModel,
+    requested: Sequence[str] | None,
+    progress: Callable[[str], None],
+) -> dict[str, GenerationService]:
+    """One GenerationService per bench mode on one loaded target (a mode that cannot load is skipped,
+    unless it was asked for)."""
+    modes, explicit = bench_modes(services, model, requested)
+    runners: dict[str, GenerationService] = {}
+    for mode in modes:
+        try:
+            runners[mode] = build_generator(services, settings, model=model, mode=mode, progress=progress)
+        except DomainError as exc:
+            if explicit:
+                raise
+            progress(f"skipping {mode}: {exc}")
+    return runners

@@ -43,8 +43,3 @@ class IncompatibleDrafter(DomainError):
 @attrs.define(auto_exc=True, kw_only=True)
 class CapacityExceeded(DomainError):
     """The device ran out of memory or the engine is saturated."""
-
-
-@attrs.define(auto_exc=True, kw_only=True)
-class Aborted(DomainError):
-    """The request was cancelled (client disconnect, Ctrl-C)."""

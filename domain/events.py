@@ -39,6 +39,15 @@ class CapChanged:
 
 
 @attrs.frozen(kw_only=True)
+class SourceSwitched:
+    """Auto mode moved to another draft source ("baseline" = plain decoding)."""
+
+    old: str
+    new: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
 class Usage:
     """Token accounting of one request."""
 
@@ -51,6 +60,7 @@ class Usage:
     mean_accepted: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    source: str = "baseline"  # the draft source that ran ("baseline" = plain decoding)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -69,4 +79,4 @@ class Finished:
     stop_sequence: str | None = None
 
 
-DecodeEvent = TokensCommitted | RoundFinished | CapChanged | Finished
+DecodeEvent = TokensCommitted | RoundFinished | CapChanged | SourceSwitched | Finished

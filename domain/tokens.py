@@ -12,14 +12,19 @@ from mlx_dspark.domain.errors import InvalidRequest
 GREEDY_EPSILON = 1e-5
 
 
-class FinishReason(enum.Enum):
-    """Why generation ended; each API dialect maps these onto its own standard set."""
+class FinishReason(enum.StrEnum):
+    """Why generation (or a chat turn) ended: one vocabulary from the decode loop to every API dialect.
+
+    A str enum, so `generate --json` and logs show the plain value. The decode loop produces the first
+    five; the chat use case turns STOP into TOOL_CALLS when the turn ended with tool calls.
+    """
 
     STOP = "stop"  # an end-of-sequence token
     LENGTH = "length"  # max_tokens reached
     STOP_SEQUENCE = "stop_sequence"  # a caller's stop string matched
     CONTEXT = "context"  # the context window is full
     CANCELLED = "cancelled"
+    TOOL_CALLS = "tool_calls"  # the turn ended with tool calls (chat only)
 
 
 def _check_temperature(_: object, __: attrs.Attribute[float], value: float) -> None:

@@ -16,10 +16,11 @@ from mlx_dspark.application.generation import (
     TextChunk,
 )
 from mlx_dspark.application.modes import build_generator
+from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings, load_settings
 from mlx_dspark.domain.tokens import SamplingParams
 
-__all__ = ["SpeculativeModel", "GenerationDone", "GenerationResult", "TextChunk", "load"]
+__all__ = ["GenerationDone", "GenerationResult", "SpeculativeModel", "TextChunk", "load"]
 
 
 class SpeculativeModel:
@@ -118,7 +119,7 @@ def load(
     drafter: str | None = None,
     max_draft: int | str = "auto",
     drafter_bits: int | None = None,
-    services: bootstrap.Services | None = None,
+    services: Services | None = None,
     **settings: Any,
 ) -> SpeculativeModel:
     """Load a target (and its draft source) and return a SpeculativeModel.

@@ -76,6 +76,20 @@ class HfTokenizer:
         return self._vocab_size
 
     @property
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids of every special token (added tokens marked special and the tokenizer's own), sorted."""
+        added = getattr(self._hf, "added_tokens_decoder", {}) or {}
+        special = {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+        special |= {int(i) for i in getattr(self._hf, "all_special_ids", []) or []}
+        return tuple(sorted(special))
+
+    @property
+    def reserved_ids(self) -> tuple[int, ...]:
+        """The bos, pad, unk and eos ids the tokenizer declares (training never targets them)."""
+        reserved = {getattr(self._hf, f"{k}_token_id", None) for k in ("bos", "pad", "unk", "eos")}
+        return tuple(sorted(int(i) for i in reserved if isinstance(i, int)))
+
+    @property
     def chat_template(self) -> str | None:
         """The Jinja chat template, or None for base models without one."""
         template = getattr(self._hf, "chat_template", None)

@@ -7,7 +7,7 @@ from typing import Any
 
 import structlog
 
-from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished
+from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished, SourceSwitched
 
 
 class StructlogTelemetrySink:
@@ -34,6 +34,10 @@ class StructlogTelemetrySink:
             self._log.info(
                 "draft_cap.changed", request_id=request_id, old=event.old, new=event.new, reason=event.reason
             )
+        elif isinstance(event, SourceSwitched):
+            self._log.info(
+                "draft_source.switched", request_id=request_id, old=event.old, new=event.new, reason=event.reason
+            )
         elif isinstance(event, Finished):
             u = event.usage
             caps = self._caps.pop(request_id, Counter())
@@ -41,6 +45,7 @@ class StructlogTelemetrySink:
                 "request.finished",
                 request_id=request_id,
                 finish_reason=event.reason.value,
+                source=u.source,
                 prompt_tokens=u.prompt_tokens,
                 cached_prompt_tokens=u.cached_prompt_tokens,
                 generated_tokens=u.generated_tokens,

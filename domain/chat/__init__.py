@@ -14,13 +14,12 @@ from mlx_dspark.domain.chat.errors import OutputTooLong, PromptTooLong
 from mlx_dspark.domain.chat.events import (
     ChatEvent,
     ChatUsage,
-    Finished,
-    FinishReason,
     ReasoningDelta,
     TextDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
+    TurnFinished,
 )
 
 __all__ = [
@@ -28,8 +27,6 @@ __all__ = [
     "ChatRequest",
     "ChatUsage",
     "Conversation",
-    "FinishReason",
-    "Finished",
     "Message",
     "OutputTooLong",
     "PromptTooLong",
@@ -43,4 +40,5 @@ __all__ = [
     "ToolChoice",
     "ToolChoiceMode",
     "ToolSpec",
+    "TurnFinished",
 ]

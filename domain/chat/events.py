@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import enum
-
 import attrs
+
+from mlx_dspark.domain.tokens import FinishReason
 
 
 @attrs.frozen
@@ -48,15 +48,6 @@ class ToolCallEnd:
     arguments: str
 
 
-class FinishReason(enum.Enum):
-    """Why a turn ended; every dialect maps these onto its own standard set."""
-
-    END_TURN = "end_turn"
-    MAX_TOKENS = "max_tokens"
-    STOP_SEQUENCE = "stop_sequence"
-    TOOL_CALLS = "tool_calls"
-
-
 @attrs.frozen(kw_only=True)
 class ChatUsage:
     """Token accounting of one turn."""
@@ -72,12 +63,12 @@ class ChatUsage:
 
 
 @attrs.frozen(kw_only=True)
-class Finished:
-    """The turn ended (always the last event)."""
+class TurnFinished:
+    """The turn ended (always the last event); `reason` is the decode loop's FinishReason."""
 
     reason: FinishReason
     usage: ChatUsage
     stop_sequence: str | None = None
 
 
-ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | Finished
+ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | TurnFinished

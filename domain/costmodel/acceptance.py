@@ -42,11 +42,6 @@ class AcceptanceStats:
         """Tokens committed per round, bonus included, prefill token excluded."""
         return self.committed / self.rounds if self.rounds else 0.0
 
-    @property
-    def acceptance_rate(self) -> float:
-        accepted = sum(self.accepts)
-        return accepted / self.drafted if self.drafted else 0.0
-
 
 @attrs.define
 class EwmaAcceptance:

@@ -16,11 +16,6 @@ from mlx_dspark.domain.verification.outcome import Acceptance
 RESIDUAL_FLOOR = 1e-12
 
 
-def uniforms_needed(block_len: int) -> int:
-    """One uniform per draft for the accept test, plus one for the corrected or bonus draw."""
-    return block_len + 1
-
-
 def speculative_accept(
     drafts: Sequence[int],
     p_rows: Sequence[Sequence[float]],

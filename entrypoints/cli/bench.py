@@ -8,9 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, start_with_model
-
-DEFAULT_MODES = ("baseline", "lookup", "dflash", "dspark", "auto")
+from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, start_with_model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,17 +16,11 @@ def parser() -> argparse.ArgumentParser:
         prog="mlx-dspark bench",
         description="Measure decode speed of each mode against plain decoding, on the same prompts, in one run.",
     )
-    p.add_argument("--model", help="'default', a local dir, a Hugging Face repo id or a .gguf file")
-    p.add_argument("--drafter", help="drafter checkpoint for dspark/dflash: local dir or Hugging Face repo id")
-    p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
-    p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
-    p.add_argument("--trust-remote-code", action="store_true", default=None)
-    p.add_argument("--cache-dir", help="where converted models and calibration are stored")
-    p.add_argument("--log-level", help="debug, info, warning, error")
+    add_model_args(p, mode=False)
     p.add_argument(
         "--modes",
         default=None,
-        help=f"comma-separated, any of {','.join(DEFAULT_MODES)} (default: baseline, available drafters, auto)",
+        help="comma-separated, any of baseline,lookup,dflash,dspark,auto (default: baseline, available drafters, auto)",
     )
     p.add_argument("--prompts", default="chat,code,math", help="classes of the built-in set, or a JSONL/text file")
     p.add_argument("--trials", type=int, default=3, help="runs per prompt per mode (medians over all)")
@@ -53,50 +45,22 @@ def main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         from mlx_dspark.application import bootstrap
-        from mlx_dspark.application.auto_mode import SwitchingDraftSource
-        from mlx_dspark.application.bench import PlotUnavailable, plot_report, render_table, report_json, run_bench
-        from mlx_dspark.application.calibration import curves_for
+        from mlx_dspark.application.bench import report_json, run_bench, runner_curves
         from mlx_dspark.application.data import load_prompts
-        from mlx_dspark.application.generation import GenerationService
-        from mlx_dspark.application.modes import build_generator
-        from mlx_dspark.application.settings import MODES
-        from mlx_dspark.domain.errors import DomainError, InvalidRequest
-        from mlx_dspark.domain.ports import DraftSource
+        from mlx_dspark.application.modes import bench_runners
+        from mlx_dspark.entrypoints.cli.bench_render import PlotUnavailable, plot_report, render_table
 
         prompts = load_prompts(args.prompts)
         settings, services, model = start_with_model(args)
-        if args.modes:
-            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-            bad = [m for m in modes if m not in MODES]
-            if bad:
-                raise InvalidRequest(message=f"unknown mode(s) {bad}; choose from {', '.join(MODES)}", param="modes")
-            explicit = True
-        else:
-            available = set(services.loader.available_drafters(model))
-            modes = [m for m in DEFAULT_MODES if m in {"baseline", "auto"} or m in available]
-            explicit = False
-        if "baseline" not in modes:
-            modes.insert(0, "baseline")  # speedups are always against a baseline measured in this run
-        runners: dict[str, GenerationService] = {}
-        for mode in modes:
-            try:
-                runners[mode] = build_generator(services, settings, model=model, mode=mode, progress=progress_line)
-            except DomainError as exc:
-                if explicit:
-                    raise
-                progress_line(f"skipping {mode}: {exc}")
-        sources: dict[str, DraftSource | None] = {
-            m: g.source
-            for m, g in runners.items()
-            if g.source is not None and not isinstance(g.source, SwitchingDraftSource)
-        }
+        requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+        runners = bench_runners(services, settings, model, requested, progress_line)
         curves = {}
-        if (args.json or args.plot) and sources:
-            curves = curves_for(
+        if args.json or args.plot:
+            curves = runner_curves(
                 services.calibration,
-                model,
-                sources,
                 services.clock,
+                model,
+                runners,
                 drafter_bits=settings.model.drafter_bits,
                 progress=_progress,
             )

@@ -8,20 +8,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mlx_dspark.entrypoints.cli.common import progress_line, run_guarded, start_with_model
+from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, start_with_model
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx-dspark calibrate", description="Measure cost curves and race the draft sources."
     )
-    p.add_argument("--model", help="'default', a local dir, a Hugging Face repo id or a .gguf file")
-    p.add_argument("--drafter", help="drafter checkpoint for dspark/dflash: local dir or Hugging Face repo id")
-    p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
-    p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
-    p.add_argument("--trust-remote-code", action="store_true", default=None)
-    p.add_argument("--cache-dir", help="where converted models and calibration are stored")
-    p.add_argument("--log-level", help="debug, info, warning, error")
+    add_model_args(p, mode=False)
     p.add_argument("--modes", help="draft sources to race (default: every available one), e.g. lookup,dspark")
     p.add_argument("--race-tokens", type=int, default=24, help="tokens per race prompt")
     p.add_argument("--json", action="store_true", help="print curves and race results as JSON")
@@ -39,33 +33,19 @@ def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
 
     def body() -> int:
-        from mlx_dspark.application.auto_mode import choose_source
+        from mlx_dspark.application.auto_mode import measure_and_choose
         from mlx_dspark.application.bench import curves_json
-        from mlx_dspark.application.modes import load_source, parse_max_draft
+        from mlx_dspark.application.modes import auto_candidates, parse_max_draft
         from mlx_dspark.domain.costmodel.curves import best_cap
-        from mlx_dspark.domain.errors import DomainError
-        from mlx_dspark.domain.ports import DraftSource
 
         settings, services, model = start_with_model(args)
-        kinds = (
-            [k.strip() for k in args.modes.split(",") if k.strip()]
-            if args.modes
-            else list(services.loader.available_drafters(model))
-        )
-        candidates: dict[str, DraftSource | None] = {"baseline": None}
-        for kind in kinds:
-            if kind == "baseline":
-                continue
-            try:
-                candidates[kind] = load_source(services, settings, model, kind)
-            except DomainError as exc:
-                if args.modes:
-                    raise
-                progress_line(f"skipping {kind}: {exc}")
-        choice = choose_source(
-            services,
+        kinds = [k.strip() for k in args.modes.split(",") if k.strip()] if args.modes else None
+        candidates = auto_candidates(services, settings, model, progress_line, kinds=kinds)
+        choice = measure_and_choose(
+            services.calibration,
             model,
             candidates,
+            services.clock,
             drafter_bits=settings.model.drafter_bits,
             max_draft=parse_max_draft(settings.model.max_draft),
             force=True,

@@ -9,15 +9,18 @@ from typing import Any
 
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import MODES, Settings, load_settings
 from mlx_dspark.domain.errors import DomainError
 from mlx_dspark.entrypoints.log_config import configure_logging
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model (None = take the environment or default)."""
+def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
+    """The model flags, declared once for every command that loads a model (None = take the environment or
+    default). Commands that run several modes themselves (bench, calibrate) pass `mode=False`."""
     p.add_argument("--model", help="'default', 'gemma3-270m', a local dir, a Hugging Face repo id or a .gguf file")
-    p.add_argument("--mode", choices=MODES, help="draft source (default auto: measured winner)")
+    if mode:
+        p.add_argument("--mode", choices=MODES, help="draft source (default auto: measured winner)")
     p.add_argument("--drafter", help="drafter checkpoint: local dir or Hugging Face repo id")
     p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
     p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
@@ -33,7 +36,7 @@ def settings_from(args: argparse.Namespace, extra: Mapping[str, Any] | None = No
     return load_settings(flags)
 
 
-def start(settings: Settings, *, quiet_logs: bool = False) -> bootstrap.Services:
+def start(settings: Settings, *, quiet_logs: bool = False) -> Services:
     """Swap the BLAS (before MLX loads), configure logging, wire services."""
     bootstrap.prepare_runtime()
     telemetry = settings.telemetry
@@ -45,10 +48,19 @@ def start(settings: Settings, *, quiet_logs: bool = False) -> bootstrap.Services
     return bootstrap.build(settings)
 
 
-MODEL_FLAGS = ("model", "drafter", "drafter_bits", "max_draft", "trust_remote_code", "cache_dir", "log_level")
+MODEL_FLAGS = (
+    "model",
+    "drafter",
+    "drafter_bits",
+    "max_draft",
+    "confidence_threshold",
+    "trust_remote_code",
+    "cache_dir",
+    "log_level",
+)
 
 
-def start_with_model(args: argparse.Namespace) -> tuple[Settings, bootstrap.Services, LoadedModel]:
+def start_with_model(args: argparse.Namespace) -> tuple[Settings, Services, LoadedModel]:
     """Settings from the model flags only, wired services, and the loaded target (with a progress line)."""
     settings = settings_from(argparse.Namespace(**{k: getattr(args, k) for k in MODEL_FLAGS}))
     services = start(settings, quiet_logs=True)

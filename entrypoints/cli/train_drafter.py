@@ -180,7 +180,7 @@ def _measure(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     cap = parse_max_draft(args.max_draft)
     fixed = None if cap is None else min(cap, source.max_block)
     runners = {
-        "baseline": GenerationService(model, source=None, mode="baseline", clock=services.clock, telemetry=services.telemetry),
+        "baseline": GenerationService(model, clock=services.clock, telemetry=services.telemetry),
         args.kind: GenerationService(
             model,
             source=source,

@@ -14,10 +14,10 @@ from litestar import Litestar, Request, Response, get, route
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 
-from mlx_dspark.application.bootstrap import Services
 from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationService
+from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support
 

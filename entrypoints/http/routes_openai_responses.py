@@ -9,7 +9,7 @@ from litestar import Request, Response, Router, post
 from mlx_dspark.adapters.api.common import new_id
 from mlx_dspark.adapters.api.openai_responses import codec, errors
 from mlx_dspark.adapters.api.openai_responses.stream import ResponseStream
-from mlx_dspark.domain.chat import ChatEvent, Finished, Message
+from mlx_dspark.domain.chat import ChatEvent, Message, TurnFinished
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.entrypoints.http import support
 
@@ -39,7 +39,7 @@ async def create_response(request: Request[Any, Any, Any]) -> Response[Any]:
 
     def remember(event: ChatEvent) -> None:
         seen.append(event)
-        if isinstance(event, Finished):
+        if isinstance(event, TurnFinished):
             turn = support.assistant_message(seen)
             ctx.remember(stream.response_id, (*creq.conversation.messages, turn))
 

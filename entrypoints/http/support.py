@@ -19,9 +19,9 @@ from litestar.response import Stream
 
 from mlx_dspark.adapters.api.common import parse_json_body
 from mlx_dspark.application.chat_service import ChatItem, ChatService, Prepared
-from mlx_dspark.application.engine import EngineThread, EngineJob
+from mlx_dspark.application.engine import EngineJob, EngineThread
 from mlx_dspark.application.settings import Settings
-from mlx_dspark.domain.chat import ChatEvent, ChatRequest, Finished, Message
+from mlx_dspark.domain.chat import ChatEvent, ChatRequest, Message, TurnFinished
 from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
 
 log = structlog.get_logger("mlx_dspark.http")
@@ -140,7 +140,7 @@ class RequestLog:
     started: float = attrs.Factory(time.perf_counter)
     fields: dict[str, Any] = attrs.Factory(dict)
 
-    def finished(self, event: Finished) -> None:
+    def finished(self, event: TurnFinished) -> None:
         self.fields.update(
             prompt_tokens=event.usage.prompt_tokens,
             cached_prompt_tokens=event.usage.cached_prompt_tokens,
@@ -195,7 +195,7 @@ def sse_response(
                     continue
                 if on_event is not None:
                     on_event(item)
-                if isinstance(item, Finished):
+                if isinstance(item, TurnFinished):
                     record.finished(item)
                 for f in stream.feed(item):
                     yield f
@@ -226,7 +226,7 @@ async def collect(request: Request[Any, Any, Any], job: EngineJob[ChatItem], rec
         async for item in job:
             if not isinstance(item, Prepared):
                 events.append(item)
-                if isinstance(item, Finished):
+                if isinstance(item, TurnFinished):
                     record.finished(item)
     finally:
         watcher.cancel()

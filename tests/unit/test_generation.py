@@ -133,7 +133,9 @@ def test_seeded_sampling_is_reproducible_through_the_use_case():
 def test_a_target_shared_by_two_generators_is_never_reused_stale():
     # GenerationService A caches a conversation; B moves the shared target elsewhere; A must not reuse A's old rows.
     gen_a, _, _ = make()
-    gen_b = GenerationService(gen_a.model, source=None, mode="baseline", clock=FakeClock(), telemetry=RecordingTelemetrySink())
+    gen_b = GenerationService(
+        gen_a.model, source=None, mode="baseline", clock=FakeClock(), telemetry=RecordingTelemetrySink()
+    )
     _, first = collect(gen_a, GenerationRequest(prompt="abcdef", max_tokens=6))
     collect(gen_b, GenerationRequest(prompt="hijklm", max_tokens=6))
     follow_up = "abcdef" + CharTokenizer().decode(first.token_ids)

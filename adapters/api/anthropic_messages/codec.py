@@ -15,8 +15,6 @@ from mlx_dspark.domain.chat import (
     ChatRequest,
     ChatUsage,
     Conversation,
-    Finished,
-    FinishReason,
     Message,
     ReasoningDelta,
     Role,
@@ -26,14 +24,17 @@ from mlx_dspark.domain.chat import (
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    TurnFinished,
 )
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.domain.tokens import FinishReason, SamplingParams
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 STOP_REASONS = {
-    FinishReason.END_TURN: "end_turn",
-    FinishReason.MAX_TOKENS: "max_tokens",
+    FinishReason.STOP: "end_turn",
+    FinishReason.CANCELLED: "end_turn",
+    FinishReason.LENGTH: "max_tokens",
+    FinishReason.CONTEXT: "max_tokens",
     FinishReason.STOP_SEQUENCE: "stop_sequence",
     FinishReason.TOOL_CALLS: "tool_use",
 }
@@ -225,7 +226,7 @@ def tool_use_id(neutral_id: str) -> str:
 def message_body(events: Iterable[ChatEvent], *, model: str, message_id: str) -> dict[str, Any]:
     """The non-streaming response from a complete list of events."""
     content: list[dict[str, Any]] = []
-    finished: Finished | None = None
+    finished: TurnFinished | None = None
     for e in events:
         if isinstance(e, ReasoningDelta):
             if content and content[-1]["type"] == "thinking":
@@ -240,13 +241,13 @@ def message_body(events: Iterable[ChatEvent], *, model: str, message_id: str) ->
         elif isinstance(e, ToolCallEnd):
             args = common.loads_arguments(e.arguments)
             content.append({"type": "tool_use", "id": tool_use_id(e.id), "name": e.name, "input": args})
-        elif isinstance(e, Finished):
+        elif isinstance(e, TurnFinished):
             finished = e
     for block in content:
         if block["type"] == "thinking":
             block["signature"] = signature(block["thinking"])
     if finished is None:
-        raise RuntimeError("the turn ended without a Finished event")
+        raise RuntimeError("the turn ended without a TurnFinished event")
     return {
         "id": message_id,
         "type": "message",

@@ -11,12 +11,12 @@ from mlx_dspark.adapters.api.anthropic_messages import codec, errors
 from mlx_dspark.adapters.api.common import sse
 from mlx_dspark.domain.chat import (
     ChatEvent,
-    Finished,
     ReasoningDelta,
     TextDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
+    TurnFinished,
 )
 
 
@@ -96,7 +96,7 @@ class MessageStream:
             out.append(self._delta({"type": "input_json_delta", "partial_json": event.delta}))
         elif isinstance(event, ToolCallEnd):
             out += self._close()
-        elif isinstance(event, Finished):
+        elif isinstance(event, TurnFinished):
             out += self._close()
             usage = codec.usage_json(event.usage)
             delta = {"stop_reason": codec.STOP_REASONS[event.reason], "stop_sequence": event.stop_sequence}

@@ -13,8 +13,6 @@ from mlx_dspark.domain.chat import (
     ChatRequest,
     ChatUsage,
     Conversation,
-    Finished,
-    FinishReason,
     Message,
     ReasoningDelta,
     Role,
@@ -24,13 +22,16 @@ from mlx_dspark.domain.chat import (
     ToolChoice,
     ToolChoiceMode,
     ToolSpec,
+    TurnFinished,
 )
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.domain.tokens import FinishReason, SamplingParams
 
 FINISH_REASONS = {
-    FinishReason.END_TURN: "stop",
-    FinishReason.MAX_TOKENS: "length",
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CONTEXT: "length",
     FinishReason.STOP_SEQUENCE: "stop",
     FinishReason.TOOL_CALLS: "tool_calls",
 }
@@ -191,7 +192,7 @@ def completion_body(events: Iterable[ChatEvent], *, model: str, completion_id: s
     text: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    finished: Finished | None = None
+    finished: TurnFinished | None = None
     for e in events:
         if isinstance(e, TextDelta):
             text.append(e.text)
@@ -201,10 +202,10 @@ def completion_body(events: Iterable[ChatEvent], *, model: str, completion_id: s
             calls.append(
                 {"id": call_id(e.id), "type": "function", "function": {"name": e.name, "arguments": e.arguments}}
             )
-        elif isinstance(e, Finished):
+        elif isinstance(e, TurnFinished):
             finished = e
     if finished is None:
-        raise RuntimeError("the turn ended without a Finished event")
+        raise RuntimeError("the turn ended without a TurnFinished event")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None, "refusal": None}
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)

@@ -6,7 +6,7 @@ from typing import Any
 
 from mlx_dspark.adapters.api.common import sse
 from mlx_dspark.adapters.api.openai_chat import codec, errors
-from mlx_dspark.domain.chat import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
+from mlx_dspark.domain.chat import ChatEvent, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart, TurnFinished
 
 
 class CompletionStream:
@@ -55,7 +55,7 @@ class CompletionStream:
             return [self._chunk({"tool_calls": [call]})]
         if isinstance(event, ToolCallArgsDelta):
             return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.delta}}]})]
-        if isinstance(event, Finished):
+        if isinstance(event, TurnFinished):
             out = [self._chunk({}, codec.FINISH_REASONS[event.reason])]
             if self._include_usage:
                 out.append(

@@ -14,14 +14,14 @@ from mlx_dspark.adapters.api.common import new_id, sse
 from mlx_dspark.adapters.api.openai_responses import codec, errors, wire
 from mlx_dspark.domain.chat import (
     ChatEvent,
-    Finished,
-    FinishReason,
     ReasoningDelta,
     TextDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
+    TurnFinished,
 )
+from mlx_dspark.domain.tokens import FinishReason
 
 
 class ResponseStream:
@@ -175,9 +175,9 @@ class ResponseStream:
                 )
         elif isinstance(event, ToolCallEnd):
             out += self._close()
-        elif isinstance(event, Finished):
+        elif isinstance(event, TurnFinished):
             out += self._close()
-            incomplete = event.reason is FinishReason.MAX_TOKENS
+            incomplete = event.reason in (FinishReason.LENGTH, FinishReason.CONTEXT)
             self.final = self._response(
                 "incomplete" if incomplete else "completed",
                 output=self.output,

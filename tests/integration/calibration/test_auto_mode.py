@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlx_dspark.application.auto_mode import (
-    SwitchingCap,
-    SwitchingDraftSource,
-    cap_policy_factory,
-    measure_and_choose,
-)
+from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory, measure_and_choose
 from mlx_dspark.application.calibration import CalibrationPlan
 from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap, MeasuredCap
-from mlx_dspark.domain.events import CapChanged, TokensCommitted
+from mlx_dspark.domain.events import CapChanged, SourceSwitched, TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from tests.fakes.clock import RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import (
     ManualClock,
     MemoryStore,
@@ -43,9 +40,10 @@ def test_race_picks_the_faster_source_and_caches_it() -> None:
     store = MemoryStore()
     cands = {"slow": slow, "fast": fast, "none": None}
     choice = measure_and_choose(store, loaded(target), cands, clock, plan=PLAN, race_tokens=16, online=False)
-    assert choice.mode == "fast" and choice.source is fast and not choice.from_cache
+    selection = choice.selector.select([1, 2, 3])
+    assert choice.mode == "fast" and selection.source is fast and not choice.from_cache
     assert choice.rates["fast"] > choice.rates["none"] > choice.rates["slow"]
-    assert choice.cap_policy_factory is not None and isinstance(choice.cap_policy_factory(), MeasuredCap)
+    assert isinstance(selection.policy, MeasuredCap)
     again = measure_and_choose(store, loaded(target), cands, clock, plan=PLAN, race_tokens=16, online=False)
     assert again.from_cache and again.mode == "fast"
 
@@ -56,7 +54,8 @@ def test_plain_decoding_wins_when_speculation_cannot() -> None:
     choice = measure_and_choose(
         MemoryStore(), loaded(target), {"lookup": src, "none": None}, clock, plan=PLAN, race_tokens=16, online=False
     )
-    assert choice.mode == "none" and choice.source is None and choice.cap_policy_factory is None
+    selection = choice.selector.select([1, 2, 3])
+    assert choice.mode == "none" and selection.source is None and selection.policy is None
 
 
 def test_wrong_drafter_loses_to_plain() -> None:
@@ -85,10 +84,11 @@ def test_auto_choice_is_lossless() -> None:
     choice = measure_and_choose(
         MemoryStore(), loaded(target), {"fast": fast, "none": None}, clock, plan=PLAN, race_tokens=16
     )
-    assert isinstance(choice.source, SwitchingDraftSource) and choice.cap_policy_factory is not None
+    assert isinstance(choice.selector, AutoSelector)
     for prompt in ([1, 2, 3], [9, 8, 7, 6, 5], [4]):
         plain, _ = run(target, prompt, clock)
-        spec, _ = run(target, prompt, clock, choice.source, choice.cap_policy_factory())
+        selection = choice.selector.select(prompt)
+        spec, _ = run(target, prompt, clock, selection.source, selection.policy)
         assert spec == plain
 
 
@@ -98,17 +98,21 @@ def test_online_switch_follows_observed_throughput() -> None:
     a = TimedSource(target, lambda cap: 0.5, block=4, name="a")
     b = TimedSource(target, lambda cap: 0.001, block=4, name="b")
     policies = {"a": cap_policy_factory(4, None, 4), "b": cap_policy_factory(4, None, 4)}
-    switching = SwitchingDraftSource({"a": a, "b": b}, policies, {"a": 100.0, "b": 10.0}, explore_every=3)
+    switching = AutoSelector({"a": a, "b": b}, policies, {"a": 100.0, "b": 10.0}, explore_every=3)
     assert switching.current == "a"
-    reasons = []
+    sink = RecordingTelemetrySink()
+    service = GenerationService(loaded(target), selector=switching, clock=clock, telemetry=sink)
+    sources = []
     for i in range(12):
         prompt = [i % 7 + 1, 3, 5]
         plain, _ = run(target, prompt, clock)
-        spec, decisions = run(target, prompt, clock, switching, SwitchingCap(switching))
-        assert spec == plain
-        reasons += [d.reason for d in decisions]
-    assert switching.current == "b"
-    assert any("source a → b" in r for r in reasons)
+        target.reset(0)
+        result = service.generate(GenerationRequest(prompt=prompt, max_tokens=24))
+        assert list(result.token_ids) == plain
+        sources.append(result.source)
+    assert switching.current == "b" and sources[-1] == "b" and "a" in sources
+    switches = [e for _, e in sink.events if isinstance(e, SourceSwitched)]
+    assert any(e.old == "a" and e.new == "b" for e in switches)
     assert switching.rates()["b"] > switching.rates()["a"]
 
 

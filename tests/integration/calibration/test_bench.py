@@ -9,18 +9,12 @@ import json
 import attrs
 import pytest
 
-from mlx_dspark.application.bench import (
-    BENCH_SCHEMA,
-    PlotUnavailable,
-    plot_report,
-    render_table,
-    report_json,
-    run_bench,
-)
+from mlx_dspark.application.bench import BENCH_SCHEMA, report_json, run_bench
 from mlx_dspark.application.data import builtin_prompts, load_prompts
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.entrypoints.cli.bench_render import PlotUnavailable, plot_report, render_table
 from tests.fakes.clock import RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import ManualClock, TimedSource, TimedTarget, flat, loaded
 

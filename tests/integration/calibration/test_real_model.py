@@ -55,5 +55,5 @@ def test_calibrate_and_choose_on_the_default_model(tmp_path: Path) -> None:
                 out.extend(ev.tokens)
         return out
 
-    policy = choice.cap_policy_factory() if choice.cap_policy_factory else None
-    assert run(choice.source, policy) == run(None, None)
+    selection = choice.selector.select(prompt)
+    assert run(selection.source, selection.policy) == run(None, None)

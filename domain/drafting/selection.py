@@ -1,0 +1,71 @@
+"""Which draft source runs a request, and with which cap policy: one selector object per mode.
+
+A fixed mode always selects the same pair; `--mode auto` (application/auto_mode.py) chooses per request
+from observed throughput and reports a switch as a SourceSwitched event. Every source is verified by
+the target, so no choice changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import attrs
+
+from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
+from mlx_dspark.domain.events import SourceSwitched, Usage
+from mlx_dspark.domain.ports import DraftSource
+
+PLAIN = "baseline"  # the name of plain decoding (no draft source)
+
+
+@attrs.frozen(kw_only=True)
+class Selection:
+    """What runs one request.
+
+    Attributes:
+        name: the source's mode name ("dspark", "lookup", ...; PLAIN for plain decoding).
+        source: the draft source, or None for plain decoding.
+        policy: the cap policy for this request (None = the source's full block).
+        switched: set when the selector moved to this source for this request.
+    """
+
+    name: str
+    source: DraftSource | None
+    policy: CapPolicy | None = None
+    switched: SourceSwitched | None = None
+
+
+class SourceSelector(Protocol):
+    """Chooses the (source, cap policy) pair of each request and learns from how it ran."""
+
+    @property
+    def mode(self) -> str:
+        """The mode this selector implements ("auto", or the fixed mode's name)."""
+        ...
+
+    def select(self, prompt: Sequence[int]) -> Selection: ...
+
+    def finished(self, selection: Selection, usage: Usage) -> None:
+        """The request run with `selection` ended with `usage`."""
+        ...
+
+
+@attrs.define
+class FixedSelector:
+    """Always the same source, with a fresh cap policy per request."""
+
+    name: str
+    source: DraftSource | None
+    policy_factory: Callable[[], CapPolicy] | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.name
+
+    def select(self, prompt: Sequence[int]) -> Selection:
+        policy = self.policy_factory() if (self.policy_factory is not None and self.source is not None) else None
+        return Selection(name=self.name, source=self.source, policy=policy)
+
+    def finished(self, selection: Selection, usage: Usage) -> None:
+        return None

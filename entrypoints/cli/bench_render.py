@@ -1,0 +1,80 @@
+"""Terminal and PNG renderings of a bench report (the use case in application/bench.py measures)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from mlx_dspark.application.bench import BenchReport
+
+
+def render_table(report: BenchReport) -> str:
+    """The terminal table: one row per mode."""
+    head = ("mode", "decode tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", "lossless")
+    rows = [head]
+    for m in report.modes:
+        lossless = "n/a" if m.lossless is None else ("yes" if m.lossless else f"NO ({len(m.mismatched)})")
+        rows.append(
+            (
+                m.mode,
+                f"{m.decode_tok_s:.2f}",
+                f"{m.e2e_tok_s:.2f}",
+                f"{m.ttft_s * 1e3:.0f}",
+                f"{m.mean_accepted:.2f}",
+                "n/a" if m.speedup is None else f"{m.speedup:.2f}x",
+                lossless,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    title = (
+        f"{report.model}: {len(report.prompt_set.prompts)} prompts ({report.prompt_set.name} "
+        f"{report.prompt_set.version}) × {report.trials} trials, {report.max_tokens} tokens, "
+        f"temperature {report.temperature:g}; medians"
+    )
+    return title + "\n" + "\n".join(lines) + "\n"
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed (it is the optional `plot` extra)."""
+
+
+def plot_report(report: BenchReport, path: str) -> None:
+    """Write a PNG: decode tok/s per mode, and the verify/drafter cost curves.
+
+    Raises:
+        PlotUnavailable: matplotlib is missing (`pip install 'mlx-dspark[plot]'`).
+    """
+    try:
+        # Optional dependency: imported by name so type checking does not need it installed.
+        matplotlib: Any = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError as exc:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'mlx-dspark[plot]'") from exc
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [m.mode for m in report.modes]
+    ax1.bar(names, [m.decode_tok_s for m in report.modes], color="tab:blue")
+    ax1.set_ylabel("decode tokens/s (median)")
+    ax1.set_title(f"{report.model}")
+    for i, m in enumerate(report.modes):
+        if m.speedup is not None:
+            ax1.annotate(f"{m.speedup:.2f}x", (i, m.decode_tok_s), ha="center", va="bottom")
+    plotted_verify = False
+    for name, c in report.curves.items():
+        if not plotted_verify:
+            xs = sorted(c.verify_s)
+            ax2.plot(xs, [c.verify_s[x] * 1e3 for x in xs], marker="o", label="verify (by width)")
+            plotted_verify = True
+        if c.draft_s:
+            xs = sorted(c.draft_s)
+            ax2.plot(xs, [c.draft_s[x] * 1e3 for x in xs], marker=".", label=f"{name} drafter (by cap)")
+    ax2.set_xlabel("width / cap")
+    ax2.set_ylabel("ms")
+    ax2.set_title("measured cost curves")
+    if plotted_verify:
+        ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
