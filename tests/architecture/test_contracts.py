@@ -53,6 +53,10 @@ PLANTS = {
         "application/generation.py",
         "import mlx_dspark.adapters.telemetry.structlog_sink\n",
     ),
+    "Only entrypoints use the composition root": (
+        "application/modes.py",
+        "import mlx_dspark.application.bootstrap\n",
+    ),
     "Layers": ("domain/budget.py", "import mlx_dspark.application.settings\n"),
     "Dialects do not know each other": (
         "adapters/api/openai_chat/__init__.py",
