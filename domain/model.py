@@ -9,6 +9,10 @@ import attrs
 
 from mlx_dspark.domain.ports import TargetModel
 
+ChatMessages = Sequence[Mapping[str, Any]]  # {"role", "content", ...} dicts, as chat templates read them
+ToolSpecs = Sequence[Mapping[str, Any]]  # JSON tool specs handed to the chat template
+TemplateVars = Mapping[str, Any]  # extra chat-template variables (e.g. enable_thinking)
+
 
 class Tokenizer(Protocol):
     """Text ↔ token ids and the model's own chat template."""
@@ -27,14 +31,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: ChatMessages, *, tools: ToolSpecs | None = None, template_kwargs: TemplateVars | None = None
     ) -> str:
-        """The conversation rendered through the tokenizer's chat template (text, not ids)."""
+        """The conversation rendered through the tokenizer's chat template (text, not ids), ending with the
+        generation prompt."""
         ...
 
 

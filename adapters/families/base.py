@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -27,6 +27,7 @@ from mlx_dspark.domain.chat import (
     ToolCallStart,
     ToolSpec,
 )
+from mlx_dspark.domain.model import ChatMessages, TemplateVars, ToolSpecs
 
 # (name, arguments) pairs read from one tool-call block, or None when the block is not a call.
 ParsedCalls = list[tuple[str, Any]] | None
@@ -40,12 +41,7 @@ class ChatTemplate(Protocol):
     def chat_template(self) -> str | None: ...
 
     def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: ChatMessages, *, tools: ToolSpecs | None = None, template_kwargs: TemplateVars | None = None
     ) -> str: ...
 
 
@@ -128,7 +124,6 @@ class FamilyCodec:
         text = template.render_chat(
             messages,
             tools=[_tool_json(t) for t in tools] if (tools and self.native_tools) else None,
-            add_generation_prompt=True,
             template_kwargs=kwargs or None,
         )
         opened = self.think is not None and text.rstrip().endswith(self.think[0])

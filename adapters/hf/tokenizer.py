@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.model import ChatMessages, TemplateVars, ToolSpecs
 
 # Special tokens that close a turn in common chat formats; generation stops on them too.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
@@ -106,12 +107,7 @@ class HfTokenizer:
         return str(self._hf.decode(list(ids), skip_special_tokens=False))
 
     def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: ChatMessages, *, tools: ToolSpecs | None = None, template_kwargs: TemplateVars | None = None
     ) -> str:
         """The conversation rendered through the tokenizer's chat template (text, not ids).
 
@@ -130,7 +126,7 @@ class HfTokenizer:
             text = renderer.apply_chat_template(
                 [dict(m) for m in messages],
                 tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=True,
                 tokenize=False,
                 **dict(template_kwargs or {}),
             )

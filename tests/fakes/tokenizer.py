@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mlx_dspark.domain.model import ChatMessages, TemplateVars, ToolSpecs
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHARS = "\t\n" + "".join(chr(c) for c in range(32, 127))
@@ -126,16 +127,11 @@ class FakeTokenizer:
         return "".join(self._pieces[i] for i in ids)
 
     def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: ChatMessages, *, tools: ToolSpecs | None = None, template_kwargs: TemplateVars | None = None
     ) -> str:
         if self._template is None:
             raise ValueError("no chat template")
         self.renders += 1
         return self._template.render(
-            messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            messages=list(messages), tools=tools, add_generation_prompt=True, **(template_kwargs or {})
         )

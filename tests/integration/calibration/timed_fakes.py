@@ -3,11 +3,12 @@ depth, draft sources that charge per proposal, and a byte-level tokenizer over a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
+from mlx_dspark.domain.model import ChatMessages, TemplateVars, ToolSpecs
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 from tests.fakes.drafts import ScriptedDraftSource
@@ -111,12 +112,7 @@ class ByteTokenizer:
         return "".join(chr(97 + (i % 26)) for i in ids)
 
     def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: ChatMessages, *, tools: ToolSpecs | None = None, template_kwargs: TemplateVars | None = None
     ) -> str:
         return "\n".join(str(m["content"]) for m in messages)
 
