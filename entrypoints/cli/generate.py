@@ -66,8 +66,9 @@ def main(argv: Sequence[str]) -> int:
                     sys.stdout.write(json.dumps(out) + "\n")
                 else:
                     sys.stdout.write("\n")
+                    ran = f" ({r.source})" if r.source != r.mode else ""
                     progress_line(
-                        f"{r.generated_tokens} tokens, {r.tokens_per_second:.1f} tok/s, mode {r.mode}, "
+                        f"{r.generated_tokens} tokens, {r.tokens_per_second:.1f} tok/s, mode {r.mode}{ran}, "
                         f"{r.mean_accepted:.2f} per round, finish {r.finish_reason}"
                     )
         return 0
