@@ -42,6 +42,7 @@ class OutputParser(Protocol):
     """Incremental model-output parser of one turn (see adapters.families.base.StreamParser)."""
 
     calls: int
+    cut: bool  # a tool call went out that the model did not finish
     reasoning_text: list[str]
 
     def feed(self, chunk: str) -> list[ChatEvent]: ...
@@ -56,12 +57,15 @@ class FamilyCodec(Protocol):
         self, template: Tokenizer, conversation: Conversation, *, thinking: bool | None, offer_tools: bool = True
     ) -> RenderedPrompt: ...
 
+    def forced_call(self, name: str | None, *, in_thinking: bool) -> tuple[str, str]: ...
+
     def parser(
         self,
         tools: Sequence[ToolSpec],
         *,
         starts_in_thinking: bool = False,
         id_factory: Callable[[], str] | None = None,
+        forced: str | None = None,
     ) -> OutputParser: ...
 
 
@@ -81,12 +85,18 @@ ChatItem = Prepared | ChatEvent
 
 
 @attrs.frozen(kw_only=True)
-class _Turn:
+class _Rendered:
     ids: list[int]
-    max_tokens: int
-    tools: tuple[ToolSpec, ...]
+    tools: tuple[ToolSpec, ...]  # the tools the model may call (its output is parsed against these)
     starts_in_thinking: bool
+    forced: str | None  # the primed start of a call the model must make
     codec: FamilyCodec
+
+
+@attrs.frozen(kw_only=True)
+class _Turn:
+    rendered: _Rendered
+    max_tokens: int
 
 
 class ChatService:
@@ -112,8 +122,7 @@ class ChatService:
 
     def count_tokens(self, generator: GenerationService, request: ChatRequest) -> int:
         """Prompt tokens of the request through the real chat template and tokenizer."""
-        ids, _, _, _ = self._render(generator.model, request)
-        return len(ids)
+        return len(self._render(generator.model, request).ids)
 
     def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
         """Yield Prepared, then text / reasoning / tool-call events, then one TurnFinished.
@@ -124,17 +133,18 @@ class ChatService:
             InvalidRequest: the chat template cannot render the conversation.
         """
         turn = self._prepare(generator.model, request)
-        yield Prepared(prompt_tokens=len(turn.ids), max_tokens=turn.max_tokens)
-        parser = turn.codec.parser(turn.tools, starts_in_thinking=turn.starts_in_thinking)
+        r = turn.rendered
+        yield Prepared(prompt_tokens=len(r.ids), max_tokens=turn.max_tokens)
+        parser = r.codec.parser(r.tools, starts_in_thinking=r.starts_in_thinking, forced=r.forced)
         greq = GenerationRequest(
-            prompt=turn.ids,
+            prompt=r.ids,
             max_tokens=turn.max_tokens,
             sampling=request.sampling,
             stop=request.stop,
             request_id=request.request_id or GenerationRequest(prompt="").request_id,
         )
         done: GenerationDone | None = None
-        with contextlib.closing(generator.stream(greq, prompt_ids=turn.ids)) as events:
+        with contextlib.closing(generator.stream(greq, prompt_ids=r.ids)) as events:
             for event in events:
                 if isinstance(event, TextChunk):
                     yield from parser.feed(event.text)
@@ -155,7 +165,9 @@ class ChatService:
             else 0,
         )
         reason = result.finish_reason
-        if parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):
+        if parser.cut and reason is not FinishReason.CONTEXT:
+            reason = FinishReason.LENGTH  # a call went out that the model did not finish: no client runs it
+        elif parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):
             reason = FinishReason.TOOL_CALLS
         yield TurnFinished(
             reason=reason,
@@ -163,14 +175,12 @@ class ChatService:
             stop_sequence=result.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None,
         )
 
-    def _render(
-        self, model: LoadedModel, request: ChatRequest
-    ) -> tuple[list[int], tuple[ToolSpec, ...], bool, FamilyCodec]:
+    def _render(self, model: LoadedModel, request: ChatRequest) -> _Rendered:
         codec = self.codec(model)
-        tools = _offered_tools(request)
+        offered, callable_tools, must_call, forced_name = _tool_plan(request)
         try:
             rendered = codec.render(
-                model.tokenizer, request.conversation, thinking=request.thinking, offer_tools=bool(tools)
+                model.tokenizer, request.conversation, thinking=request.thinking, offer_tools=bool(offered)
             )
         except (ValueError, TypeError, KeyError, LookupError) as exc:
             raise InvalidRequest(message=f"the model's chat template cannot render this conversation: {exc}") from exc
@@ -180,11 +190,19 @@ class ChatService:
                     message=f"the model's chat template cannot render this conversation: {exc}"
                 ) from exc
             raise
-        ids = model.tokenizer.encode(rendered.text, add_special_tokens=False)
-        return ids, tools, rendered.starts_in_thinking, codec
+        text, in_thinking, forced = rendered.text, rendered.starts_in_thinking, None
+        if must_call:
+            # tool_choice forces a call: prime the family's call opener (and the tool's name) after the prompt
+            suffix, forced = codec.forced_call(forced_name, in_thinking=in_thinking)
+            text, in_thinking = text + suffix, False
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        return _Rendered(
+            ids=ids, tools=callable_tools, starts_in_thinking=in_thinking, forced=forced, codec=codec
+        )
 
     def _prepare(self, model: LoadedModel, request: ChatRequest) -> _Turn:
-        ids, tools, thinking, codec = self._render(model, request)
+        rendered = self._render(model, request)
+        ids = rendered.ids
         window = self.context_window(model)
         n = len(ids)
         if n >= window:
@@ -205,16 +223,35 @@ class ChatService:
                     max_tokens=wanted,
                 )
             wanted = room
-        return _Turn(ids=ids, max_tokens=wanted, tools=tools, starts_in_thinking=thinking, codec=codec)
+        return _Turn(rendered=rendered, max_tokens=wanted)
 
 
-def _offered_tools(request: ChatRequest) -> tuple[ToolSpec, ...]:
+def _tool_plan(request: ChatRequest) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...], bool, str | None]:
+    """(tools in the prompt, tools the model may call, whether it must call one, the one it must call).
+
+    Raises:
+        InvalidRequest: a forced or allowed tool that is not offered, or a forced call with no tools.
+    """
     tools = request.conversation.tools
     choice = request.tool_choice
     if choice.mode is ToolChoiceMode.NONE:
-        return ()
+        return (), (), False, None  # no tools in the prompt, and call markers in the output stay text
+    names = {t.name for t in tools}
+    wanted = [choice.name] if choice.name is not None else list(choice.allowed or ())
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        offered = ", ".join(sorted(names)) or "none"
+        raise InvalidRequest(
+            message=f"tool_choice names tool {unknown[0]!r}, which is not among the offered tools ({offered})",
+            param="tool_choice",
+        )
+    callable_tools = tools
     if choice.name is not None:
-        return tuple(t for t in tools if t.name == choice.name)
-    return tools
-
-
+        callable_tools = tuple(t for t in tools if t.name == choice.name)
+    elif choice.allowed is not None:
+        callable_tools = tuple(t for t in tools if t.name in choice.allowed)
+    must_call = choice.mode is ToolChoiceMode.REQUIRED or choice.name is not None
+    if must_call and not callable_tools:
+        raise InvalidRequest(message="tool_choice requires a tool call, but no tools are offered", param="tool_choice")
+    forced_name = choice.name or (callable_tools[0].name if must_call and len(callable_tools) == 1 else None)
+    return tools, callable_tools, must_call, forced_name

@@ -191,6 +191,23 @@ def openai_envelope(status: int, message: str, *, param: str | None = None, code
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+def allowed_tool_choice(mode: Any, tools: Any, name_of: Callable[[Any], Any]) -> ToolChoice:
+    """OpenAI's `allowed_tools` choice: `mode` auto|required over the tools whose names `name_of` reads.
+
+    Raises:
+        InvalidRequest: a mode or a tool list of the wrong shape.
+    """
+    if mode not in ("auto", "required"):
+        raise InvalidRequest(
+            message=f"allowed_tools mode must be 'auto' or 'required', got {mode!r}", param="tool_choice"
+        )
+    if not isinstance(tools, list):
+        raise InvalidRequest(message="allowed_tools needs a list of tools", param="tool_choice")
+    names = [name_of(t) for t in tools if isinstance(t, dict)]
+    chosen = ToolChoiceMode.REQUIRED if mode == "required" else ToolChoiceMode.AUTO
+    return ToolChoice(mode=chosen, allowed=tuple(n for n in names if isinstance(n, str)))
+
+
 def named_tool_choice(choice: Any) -> ToolChoice | None:
     """The OpenAI string forms of `tool_choice` ("auto", "none", "required", or absent); None for others."""
     if choice is None or choice == "auto":

@@ -91,6 +91,24 @@ class FamilyCodec:
         """One earlier call written the way the model writes it, markers included."""
         raise NotImplementedError
 
+    def call_opening(self, name: str | None) -> str:
+        """The start of a call body (after `tool_start`) that commits the model to calling `name`
+        (None: to some tool). Primed after the generation prompt when tool_choice forces a call."""
+        return ""
+
+    def call_reader(self, validator: ArgumentValidator, index: int, make_id: Callable[[], str]) -> CallReader | None:
+        """An incremental reader of one call body, so its arguments stream; None: parse the block at its end."""
+        return None
+
+    def forced_call(self, name: str | None, *, in_thinking: bool) -> tuple[str, str]:
+        """(text to append to the prompt, what the parser has already 'seen') for a call the model must make.
+
+        A prompt that leaves the model thinking is closed first: a forced call is made without reasoning.
+        """
+        opening = self.call_opening(name)
+        close = f"{self.think[1]}\n\n" if (in_thinking and self.think) else ""
+        return close + self.tool_start + opening, opening
+
     def tools_instructions(self, tools: Sequence[ToolSpec]) -> str:
         """System-prompt text that offers tools when the template cannot (Hermes style by default)."""
         lines = "\n".join(json.dumps(_tool_json(t), ensure_ascii=False) for t in tools)
@@ -189,9 +207,29 @@ class FamilyCodec:
         *,
         starts_in_thinking: bool = False,
         id_factory: Callable[[], str] | None = None,
+        forced: str | None = None,
     ) -> StreamParser:
-        """A fresh incremental parser for one turn; no tools = tool markers are plain text."""
-        return StreamParser(self, ArgumentValidator(tuple(tools)), bool(tools), starts_in_thinking, id_factory)
+        """A fresh incremental parser for one turn; no tools = tool markers are plain text.
+
+        Args:
+            forced: the turn starts inside a call whose body begins with this text (see `forced_call`).
+        """
+        return StreamParser(
+            self, ArgumentValidator(tuple(tools)), bool(tools), starts_in_thinking, id_factory, forced=forced
+        )
+
+
+class CallReader(Protocol):
+    """Reads one call body incrementally (see incremental.JsonCallReader)."""
+
+    released: bool
+
+    @property
+    def fallback(self) -> bool: ...
+
+    def feed(self, chunk: str) -> list[ChatEvent]: ...
+
+    def finish(self) -> tuple[list[ChatEvent], str, bool]: ...
 
 
 def _tool_json(t: ToolSpec) -> dict[str, Any]:
@@ -264,6 +302,8 @@ class StreamParser:
         tools_enabled: bool,
         starts_in_thinking: bool,
         id_factory: Callable[[], str] | None,
+        *,
+        forced: str | None = None,
     ) -> None:
         self._codec = codec
         self._validator = validator
@@ -274,22 +314,31 @@ class StreamParser:
         self._text = _Channel(TextDelta)
         self._reason = _Channel(ReasoningDelta)
         self.calls = 0
+        self.cut = False  # a call went out that the model did not finish (see incremental.JsonCallReader)
         self.reasoning_text: list[str] = []
+        self._raw = ""  # the open call's body so far
+        self._reader: CallReader | None = None
+        self._pending: list[ChatEvent] = []  # events of a forced opening, sent with the first feed
+        if forced is not None and self._tools:
+            self._state = _TEXT
+            self._enter_call()
+            self._feed_call(forced, self._pending)
 
     def feed(self, chunk: str) -> list[ChatEvent]:
         """Events for `chunk` (possibly none while a marker or a call is incomplete)."""
         self._buf += chunk
-        out: list[ChatEvent] = []
+        out, self._pending = self._pending, []
         while self._step(out):
             pass
         return out
 
     def finish(self) -> list[ChatEvent]:
         """Flush at the end of the turn: an unterminated call is still tried, leftovers become text."""
-        out: list[ChatEvent] = []
+        out, self._pending = self._pending, []
         buf, self._buf = self._buf, ""
         if self._state == _TOOL:
-            self._complete(buf, out, terminated=False)
+            self._feed_call(buf, out)
+            self._end_call(out, terminated=False)
         elif self._state == _THINK:
             self._put_reasoning(buf, out)
         else:
@@ -308,12 +357,17 @@ class StreamParser:
 
     def _step(self, out: list[ChatEvent]) -> bool:
         if self._state == _TOOL:
-            end = self._buf.find(self._codec.tool_end)
+            end_marker = self._codec.tool_end
+            end = self._buf.find(end_marker)
             if end < 0:
+                keep = _partial_suffix(self._buf, [end_marker])
+                safe, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+                self._feed_call(safe, out)
                 return False
-            body, self._buf = self._buf[:end], self._buf[end + len(self._codec.tool_end) :]
+            body, self._buf = self._buf[:end], self._buf[end + len(end_marker) :]
+            self._feed_call(body, out)
             self._state = _TEXT
-            self._complete(body, out, terminated=True)
+            self._end_call(out, terminated=True)
             return True
         markers = self._markers()
         hit = _earliest(self._buf, markers)
@@ -334,7 +388,7 @@ class StreamParser:
             self._text.put(head, out)
         self._text.close()
         if marker == self._codec.tool_start and self._tools:
-            self._state = _TOOL
+            self._enter_call()
         elif self._state == _TEXT:
             self._state = _THINK
         else:
@@ -345,6 +399,31 @@ class StreamParser:
         n = len(out)
         self._reason.put(text, out)
         self.reasoning_text.extend(e.text for e in out[n:] if isinstance(e, ReasoningDelta))
+
+    def _enter_call(self) -> None:
+        self._state = _TOOL
+        self._raw = ""
+        self._reader = self._codec.call_reader(self._validator, self.calls, self._ids)
+
+    def _feed_call(self, text: str, out: list[ChatEvent]) -> None:
+        if not text:
+            return
+        self._raw += text
+        if self._reader is not None and not self._reader.fallback:
+            out.extend(self._reader.feed(text))
+
+    def _end_call(self, out: list[ChatEvent], *, terminated: bool) -> None:
+        reader, self._reader = self._reader, None
+        body, self._raw = self._raw, ""
+        if reader is None or not reader.released:
+            self._complete(body, out, terminated=terminated)
+            return
+        events, rest, whole = reader.finish()
+        out.extend(events)
+        self.calls += 1
+        self.cut = self.cut or not whole
+        if rest:  # the part of a released call that failed: nothing the model wrote is dropped
+            self._text.put(rest + (self._codec.tool_end if terminated else ""), out)
 
     def _complete(self, body: str, out: list[ChatEvent], *, terminated: bool) -> None:
         calls = None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-from mlx_dspark.adapters.families.base import FamilyCodec, ParsedCalls
+from mlx_dspark.adapters.families.base import CallReader, FamilyCodec, ParsedCalls
+from mlx_dspark.adapters.families.incremental import JsonCallReader
 from mlx_dspark.adapters.families.validation import ArgumentValidator
 from mlx_dspark.domain.chat import ToolCall
 
@@ -17,8 +19,16 @@ class HermesCodec(FamilyCodec):
     tool_start = "<tool_call>"
     tool_end = "</tool_call>"
 
+    def call_opening(self, name: str | None) -> str:
+        if name is None:
+            return '\n{"name": "'
+        return "\n" + json.dumps({"name": name, "arguments": {}}, ensure_ascii=False)[:-3]
+
+    def call_reader(self, validator: ArgumentValidator, index: int, make_id: Callable[[], str]) -> CallReader | None:
+        return JsonCallReader(validator, index, make_id)
+
     def parse_calls(self, body: str, validator: ArgumentValidator) -> ParsedCalls:
-        data = json.loads(body.strip())
+        data = json.loads(body.strip(), strict=False)  # raw newlines inside strings are common
         items = data if isinstance(data, list) else [data]
         calls: list[tuple[str, Any]] = []
         for item in items:

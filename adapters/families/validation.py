@@ -32,16 +32,26 @@ class ArgumentValidator:
         validator = self._validator(name)
         return validator is None or validator.is_valid(arguments)
 
-    def _validator(self, name: str) -> Any:
-        if name not in self._validators:
+    def valid_member(self, name: str, key: str, value: object) -> bool:
+        """True when `key: value` alone is acceptable (the schema minus its `required` list) for `name`."""
+        if name not in self._tools:
+            return False
+        validator = self._validator(name, partial=True)
+        return validator is None or validator.is_valid({key: value})
+
+    def _validator(self, name: str, *, partial: bool = False) -> Any:
+        slot = f"{name}\0partial" if partial else name
+        if slot not in self._validators:
             schema = dict(self._tools[name].parameters or {})
+            if partial:
+                schema.pop("required", None)
             cls = validators.validator_for(schema, default=validators.Draft202012Validator)
             try:
                 cls.check_schema(schema)
-                self._validators[name] = cls(schema)
+                self._validators[slot] = cls(schema)
             except (jsonschema.SchemaError, TypeError, ValueError):
-                self._validators[name] = None  # an unusable schema: accept any object
-        return self._validators[name]
+                self._validators[slot] = None  # an unusable schema: accept any object
+        return self._validators[slot]
 
 
 def coerce_scalar(value: str, schema: Mapping[str, Any] | None) -> Any:

@@ -72,10 +72,18 @@ class ToolChoiceMode(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class ToolChoice:
-    """Whether (and which) tools the model may call; `name` set means that one tool only."""
+    """Whether (and which) tools the model may call.
+
+    Attributes:
+        mode: auto, none or required.
+        name: that one tool must be called (mode is REQUIRED).
+        allowed: only these tools may be called (all tools stay in the prompt, so its prefix stays cached);
+            None = every offered tool.
+    """
 
     mode: ToolChoiceMode = ToolChoiceMode.AUTO
     name: str | None = None
+    allowed: tuple[str, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
+import secrets
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -55,21 +57,54 @@ def parse_count_tokens(body: Any) -> wire.CountTokensRequest:
     return common.structure(converter, body, wire.CountTokensRequest)
 
 
-def signature(thinking: str) -> str:
-    """An opaque, non-empty, deterministic signature for a thinking block (clients replay it back)."""
-    digest = hashlib.sha256(("mlx-dspark/thinking/v1\n" + thinking).encode()).digest()
-    return base64.b64encode(digest).decode()
+class ThinkingSigner:
+    """Signs thinking blocks with an HMAC under a secret of this server, so replayed thinking can be trusted.
+
+    A block whose signature does not verify (edited, forged, from another server or from before a restart) is
+    dropped from the prompt rather than refused: the model never reads reasoning it did not write, and a
+    conversation carried over from elsewhere still goes on.
+
+    Args:
+        secret: the key; a fresh random one per server process when omitted.
+    """
+
+    _PREFIX = "mdsp1."
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._key = secret if secret is not None else secrets.token_bytes(32)
+
+    def sign(self, thinking: str) -> str:
+        mac = hmac.new(self._key, b"mlx-dspark/thinking/v1\n" + thinking.encode(), hashlib.sha256).digest()
+        return self._PREFIX + base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+    def verify(self, thinking: str, signature: str | None) -> bool:
+        return bool(signature) and hmac.compare_digest(self.sign(thinking).encode(), (signature or "").encode())
 
 
-def to_chat_request(req: wire.MessagesRequest | wire.CountTokensRequest, request_id: str = "") -> ChatRequest:
+SIGNER = ThinkingSigner()  # the server's; one secret per process
+
+
+def signature(thinking: str, signer: ThinkingSigner | None = None) -> str:
+    """The signature of a thinking block: non-empty, different for different text, verifiable only here."""
+    return (signer or SIGNER).sign(thinking)
+
+
+def to_chat_request(
+    req: wire.MessagesRequest | wire.CountTokensRequest, request_id: str = "", signer: ThinkingSigner | None = None
+) -> ChatRequest:
     """The neutral request.
+
+    Args:
+        req: the parsed request.
+        request_id: for logs.
+        signer: checks replayed thinking blocks (blocks that fail are left out of the prompt).
 
     Raises:
         InvalidRequest: unsupported content (images) or an unknown role.
     """
     conversation = Conversation(
         system=_system_text(req.system),
-        messages=tuple(_messages(req.messages)),
+        messages=tuple(_messages(req.messages, signer or SIGNER)),
         tools=tuple(_tools(req.tools or [])),
     )
     thinking = req.thinking is not None and req.thinking.type in ("enabled", "adaptive")
@@ -108,7 +143,7 @@ def _system_text(system: str | list[wire.SystemBlock] | None) -> str:
     return "\n\n".join(b.text for b in system if not b.text.startswith(BILLING_PREFIX))
 
 
-def _messages(items: list[wire.InputMessage]) -> Iterable[Message]:
+def _messages(items: list[wire.InputMessage], signer: ThinkingSigner) -> Iterable[Message]:
     names: dict[str, str] = {}
     for i, m in enumerate(items):
         blocks: list[Any] = [wire.TextBlock(text=m.content)] if isinstance(m.content, str) else list(m.content)
@@ -123,7 +158,8 @@ def _messages(items: list[wire.InputMessage]) -> Iterable[Message]:
                 if isinstance(b, wire.TextBlock):
                     text.append(b.text)
                 elif isinstance(b, wire.ThinkingBlock):
-                    thinking.append(b.thinking)
+                    if signer.verify(b.thinking, b.signature):
+                        thinking.append(b.thinking)
                 elif isinstance(b, wire.ToolUseBlock):
                     if not isinstance(b.input, dict):
                         raise InvalidRequest(message="tool_use input must be an object", param=f"{where}.content.{j}")
@@ -204,9 +240,14 @@ def _tool_choice(choice: wire.ToolChoice | None) -> ToolChoice:
         return ToolChoice(mode=ToolChoiceMode.NONE)
     if choice.type == "any":
         return ToolChoice(mode=ToolChoiceMode.REQUIRED)
-    if choice.type == "tool" and choice.name:
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest(message="tool_choice.name: a tool_choice of type 'tool' needs a name")
         return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice.name)
-    raise InvalidRequest(message=f"unknown tool_choice type {choice.type!r}", param="tool_choice.type")
+    raise InvalidRequest(
+        message=f"tool_choice.type: unknown type {choice.type!r} (supported: auto, any, tool, none)",
+        param="tool_choice.type",
+    )
 
 
 def usage_json(usage: ChatUsage) -> dict[str, int]:
@@ -223,7 +264,9 @@ def tool_use_id(neutral_id: str) -> str:
     return f"toolu_{neutral_id}"
 
 
-def message_body(events: Iterable[ChatEvent], *, model: str, message_id: str) -> dict[str, Any]:
+def message_body(
+    events: Iterable[ChatEvent], *, model: str, message_id: str, signer: ThinkingSigner | None = None
+) -> dict[str, Any]:
     """The non-streaming response from a complete list of events."""
     content: list[dict[str, Any]] = []
     finished: TurnFinished | None = None
@@ -245,7 +288,7 @@ def message_body(events: Iterable[ChatEvent], *, model: str, message_id: str) ->
             finished = e
     for block in content:
         if block["type"] == "thinking":
-            block["signature"] = signature(block["thinking"])
+            block["signature"] = signature(block["thinking"], signer)
     if finished is None:
         raise RuntimeError("the turn ended without a TurnFinished event")
     return {

@@ -23,7 +23,10 @@ from mlx_dspark.domain.chat import (
 class MessageStream:
     """Turns neutral events into Anthropic SSE frames for one response."""
 
-    def __init__(self, *, model: str, message_id: str, input_tokens: int) -> None:
+    def __init__(
+        self, *, model: str, message_id: str, input_tokens: int, signer: codec.ThinkingSigner | None = None
+    ) -> None:
+        self._signer = signer
         self._model = model
         self._id = message_id
         self._input_tokens = input_tokens
@@ -56,7 +59,7 @@ class MessageStream:
             return []
         out = []
         if self._open == "thinking":
-            sig = codec.signature("".join(self._thinking))
+            sig = codec.signature("".join(self._thinking), self._signer)
             out.append(
                 self._frame(
                     "content_block_delta",

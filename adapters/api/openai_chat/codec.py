@@ -165,11 +165,16 @@ def _tool_choice(choice: Any) -> ToolChoice:
     if named is not None:
         return named
     if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=fn["name"])
-        if choice.get("type") == "allowed_tools":
-            return ToolChoice()
+        kind = choice.get("type")
+        inner = choice.get(kind) if isinstance(kind, str) else None  # {"type": "function", "function": {name}}
+        if kind in ("function", "custom") and isinstance(inner, dict) and isinstance(inner.get("name"), str):
+            return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=inner["name"])
+        if kind == "allowed_tools" and isinstance(inner, dict):
+            return common.allowed_tool_choice(
+                inner.get("mode"),
+                inner.get("tools"),
+                lambda t: (t.get("function") or t.get("custom") or {}).get("name"),
+            )
     raise InvalidRequest(message=f"unsupported tool_choice {choice!r}", param="tool_choice")
 
 

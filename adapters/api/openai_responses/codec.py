@@ -98,6 +98,7 @@ def to_chat_request(
     Raises:
         InvalidRequest: unknown roles, media content, malformed tools or arguments.
     """
+    _refuse_logprobs(req)
     tools, tool_map = _tools(req.tools or [])
     messages = list(history) + _messages(req.input)
     effort = req.reasoning.effort if req.reasoning else None
@@ -117,6 +118,14 @@ def to_chat_request(
         ),
         tool_map,
     )
+
+
+def _refuse_logprobs(req: wire.ResponsesRequest) -> None:
+    """Log probabilities are not implemented: say so instead of answering without them."""
+    if req.top_logprobs:
+        raise InvalidRequest(message="top_logprobs is not supported by this server", param="top_logprobs")
+    if req.include and "message.output_text.logprobs" in req.include:
+        raise InvalidRequest(message="logprobs are not supported by this server", param="include")
 
 
 def _part_text(content: str | list[wire.Part], where: str) -> str:
@@ -263,9 +272,16 @@ def _tool_choice(choice: Any) -> ToolChoice:
     if named is not None:
         return named
     if isinstance(choice, dict):
-        if choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
+        kind = choice.get("type")
+        if kind in ("function", "custom") and isinstance(choice.get("name"), str):
             return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice["name"])
-        return ToolChoice()  # allowed_tools and hosted-tool choices: let the model decide
+        if kind == "allowed_tools":
+            return common.allowed_tool_choice(choice.get("mode"), choice.get("tools"), lambda t: t.get("name"))
+        if isinstance(kind, str):
+            raise InvalidRequest(
+                message=f"tool_choice {kind!r} names a hosted tool, which this server cannot run",
+                param="tool_choice",
+            )
     raise InvalidRequest(message=f"unsupported tool_choice {choice!r}", param="tool_choice")
 
 

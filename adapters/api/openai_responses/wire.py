@@ -129,3 +129,6 @@ class ResponsesRequest:
     store: bool | None = None
     metadata: Any = None
     text: Any = None
+    # Read only to refuse logprobs: silently answering without them would change what the client gets.
+    top_logprobs: int | None = None
+    include: list[str] | None = None

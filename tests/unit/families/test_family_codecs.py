@@ -134,6 +134,8 @@ def _merged(events: list[ChatEvent]) -> list[ChatEvent]:
     for e in events:
         if out and type(e) is type(out[-1]) and isinstance(e, TextDelta | ReasoningDelta):
             out[-1] = type(e)(out[-1].text + e.text)  # type: ignore[union-attr]
+        elif out and isinstance(e, ToolCallArgsDelta) and isinstance(out[-1], ToolCallArgsDelta):
+            out[-1] = ToolCallArgsDelta(index=e.index, delta=out[-1].delta + e.delta)  # streamed in pieces
         else:
             out.append(e)
     return out
@@ -227,7 +229,9 @@ def test_parse_recorded_outputs_in_random_chunkings(
         '{"name": "shell", "arguments": {"cmd": "ls"}}',  # required parameter missing
         '{"name": "shell", "arguments": {"command": 3}}',  # wrong type
         '{"name": "rm_rf", "arguments": {}}',  # not an offered tool
-        '{"name": "shell", "arguments": {"command": "ls"',  # truncated JSON
+        '{"name": "shell", "arguments": {"timeout": 3, "cmd": "ls"',  # truncated before it is surely a call
+        '{"name": "shell", "arguments": {"timeout": "soon", "command": "ls"}}',  # a member fails first
+        '["shell", "ls"]',  # not a call object
     ],
 )
 def test_botched_calls_come_back_as_text(body: str) -> None:
