@@ -109,8 +109,9 @@ class JsonCallReader:
         if not self.released:
             self._phase = "fallback"
             return
+        at_token = self._in_string or self._phase == "tail"
         self._phase = "failed"
-        self._fail_at = self._pos if self._in_string else self._member_start
+        self._fail_at = self._pos if at_token else self._member_start
 
     # ---- output -----------------------------------------------------------------------------------------
 
@@ -212,7 +213,8 @@ class JsonCallReader:
             return True
         if phase == "key":
             self._skip()
-            self._member_start = self._pos
+            if not self._members:
+                self._member_start = self._pos
             if self._text[self._pos : self._pos + 1] == "}" and not self._members:
                 self._pos += 1
                 self._close_args()
