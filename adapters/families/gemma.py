@@ -20,6 +20,9 @@ class Gemma4Codec(FamilyCodec):
     tool_start = "<|tool_call>"
     tool_end = "<tool_call|>"
 
+    def call_opening(self, name: str | None) -> str:
+        return f"call:{name or ''}"
+
     def parse_calls(self, body: str, validator: ArgumentValidator) -> ParsedCalls:
         text = body.strip()
         if not text.startswith("call:"):

@@ -1,4 +1,4 @@
-"""Incremental reading of one JSON tool call (`{"name": …, "arguments": {…}}`), so arguments stream as written.
+"""Incremental reading of one tool call (Hermes JSON, Qwen XML), so its arguments stream as they are written.
 
 A call is *released* to the client (start event, then argument deltas) only once it is certain to be a call:
 the name is an offered tool, every required argument has begun with a value its schema accepts, and every
@@ -21,8 +21,22 @@ from mlx_dspark.domain.chat import ChatEvent, ToolCallArgsDelta, ToolCallEnd, To
 _WS = " \t\r\n"
 _ARG_KEYS = ('"arguments"', '"parameters"')
 # Root keywords that a member-by-member check cannot judge; such tools are checked whole at the end.
-_SIMPLE_ROOT = {"type", "properties", "required", "additionalProperties", "$schema", "$defs", "definitions",
-                "description", "title", "$id", "$comment", "default", "examples", "strict"}
+_SIMPLE_ROOT = {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "$schema",
+    "$defs",
+    "definitions",
+    "description",
+    "title",
+    "$id",
+    "$comment",
+    "default",
+    "examples",
+    "strict",
+}
 # Keywords that a string value can be checked against before it is finished (none: all are about the text).
 _PLAIN_STRING = {"type", "description", "title", "default", "examples", "$comment"}
 _MORE, _NO = "more", "no"
@@ -36,8 +50,11 @@ class _Bad(Exception):
     """The text cannot be the expected shape."""
 
 
-class JsonCallReader:
-    """Reads one call body (the text between the tool markers) chunk by chunk.
+class _CallReader:
+    """What every incremental call reader shares: release, canonical JSON output, the end of a call.
+
+    Subclasses scan one family's call syntax in `_step`, calling `_begin`, `_member`, `_open_string`,
+    `_string_text`, `_close_string` and `_close_args` as they go.
 
     Args:
         validator: the offered tools' schemas.
@@ -51,7 +68,7 @@ class JsonCallReader:
         self._make_id = make_id
         self._text = ""
         self._pos = 0
-        self._phase = "head"  # head → key → colon → value → next → outer → tail | failed | fallback
+        self._phase = "head"  # scanner phases, then "tail" (whole) | "failed" | "fallback"
         self.name = ""
         self._id = ""
         self._schema: Mapping[str, Any] = {}
@@ -88,11 +105,16 @@ class JsonCallReader:
                 self._fail()
         return self._flush()
 
+    _WHOLE: tuple[str, ...] = ("tail",)  # phases in which the arguments are complete
+
+    def _step(self) -> bool:
+        raise NotImplementedError
+
     def finish(self) -> tuple[list[ChatEvent], str, bool]:
         """After release only: the call's last events, the text of the block that must come back as text, and
         whether the call is whole (False: it was cut short or failed after release)."""
-        whole = self._phase in ("tail", "outer") and self._fail_at is None
-        if self._phase not in ("tail", "outer"):  # stopped or failed before the arguments were whole
+        whole = self._phase in self._WHOLE and self._fail_at is None
+        if self._phase not in self._WHOLE:  # stopped or failed before the arguments were whole
             if self._fail_at is None:
                 self._fail_at = len(self._text) if self._in_string else self._member_start
             if self._in_string:
@@ -136,8 +158,6 @@ class JsonCallReader:
         if not self.released and self._required <= (set(self._members) | ({self._key} if self._in_string else set())):
             self.released = True
 
-    # ---- scanning ---------------------------------------------------------------------------------------
-
     def _skip(self) -> None:
         while self._pos < len(self._text) and self._text[self._pos] in _WS:
             self._pos += 1
@@ -152,6 +172,89 @@ class JsonCallReader:
         if any(lit.startswith(rest) for lit in options):
             raise _Stop
         raise _Bad
+
+    def _prefix(self) -> str:
+        return ", " if self._members else ""
+
+    def _member(self, value: Any) -> None:
+        if not self._member_ok(self._key, value):
+            raise _Bad
+        self._emit(self._prefix() + _dumps(self._key) + ": " + _dumps(value))
+        self._members[self._key] = value
+        self._member_start = self._pos
+        self._maybe_release()
+
+    def _begin(self, name: str) -> None:
+        """The call's name is known: check that its arguments can be read member by member."""
+        if not self._validator.knows(name):
+            raise _Bad
+        schema = self._validator.schema(name) or {}
+        if not isinstance(schema, Mapping) or not set(schema) <= _SIMPLE_ROOT:
+            raise _Bad
+        if schema.get("type", "object") != "object" or not isinstance(schema.get("properties", {}), Mapping):
+            raise _Bad
+        self.name, self._schema = name, schema
+        self._required = {r for r in schema.get("required", []) if isinstance(r, str)}
+        self._emit("{")
+        self._member_start = self._pos
+        self._maybe_release()
+
+    def _repeated(self, key: str) -> None:
+        if key in self._members:
+            raise _Bad  # a repeated key: JSON readers would silently keep only one
+        self._key = key
+
+    def _open_string(self) -> None:
+        self._emit(self._prefix() + _dumps(self._key) + ': "')
+        self._in_string = True
+        self._string = []
+        self._maybe_release()
+
+    def _string_text(self, piece: str) -> None:
+        if piece:
+            self._string.append(piece)
+            self._emit(_dumps(piece)[1:-1])
+
+    def _close_string(self) -> None:
+        self._in_string = False
+        self._emit('"')
+        self._members[self._key] = "".join(self._string)
+        self._member_start = self._pos
+
+    def _close_args(self) -> None:
+        if not self._validator.valid(self.name, self._members):
+            raise _Bad
+        self._args_closed = True
+        self._emit("}")
+        self._maybe_release()
+        self._member_start = self._pos
+
+    def _property(self, key: str) -> Any:
+        props = self._schema.get("properties") or {}
+        if key in props:
+            return props[key]
+        return self._schema.get("additionalProperties", True)
+
+    def _member_ok(self, key: str, value: Any) -> bool:
+        schema = self._property(key)
+        if schema is False:
+            return False
+        return self._validator.valid_member(self.name, key, value)
+
+    def _streams(self, key: str) -> bool:
+        """Whether a string for `key` can go out before it ends (nothing about it is checked at its end)."""
+        schema = self._property(key)
+        if schema is True:
+            return True
+        return isinstance(schema, Mapping) and set(schema) <= _PLAIN_STRING and schema.get("type", "string") == "string"
+
+
+class JsonCallReader(_CallReader):
+    """Hermes-style calls: `{"name": NAME, "arguments": {…}}` (or `"parameters"`), name first."""
+
+    _WHOLE = ("tail", "outer")  # a call object whose closing brace never came is still whole
+
+    # ---- scanning ---------------------------------------------------------------------------------------
 
     def _string_token(self) -> str:
         """A whole JSON string at the cursor."""
@@ -197,19 +300,8 @@ class JsonCallReader:
             self._literal(_ARG_KEYS)
             self._literal((":",))
             self._literal(("{",))
-            if not self._validator.knows(name):
-                raise _Bad
-            schema = self._validator.schema(name) or {}
-            if not isinstance(schema, Mapping) or not set(schema) <= _SIMPLE_ROOT:
-                raise _Bad
-            if schema.get("type", "object") != "object" or not isinstance(schema.get("properties", {}), Mapping):
-                raise _Bad
-            self.name, self._schema = name, schema
-            self._required = {r for r in schema.get("required", []) if isinstance(r, str)}
-            self._emit("{")
+            self._begin(name)
             self._phase = "key"
-            self._member_start = self._pos
-            self._maybe_release()
             return True
         if phase == "key":
             self._skip()
@@ -218,11 +310,9 @@ class JsonCallReader:
             if self._text[self._pos : self._pos + 1] == "}" and not self._members:
                 self._pos += 1
                 self._close_args()
+                self._phase = "outer"
                 return True
-            key = self._string_token()
-            if key in self._members:
-                raise _Bad  # a repeated key: JSON readers would silently keep only one
-            self._key = key
+            self._repeated(self._string_token())
             self._phase = "colon"
             return True
         if phase == "colon":
@@ -235,6 +325,7 @@ class JsonCallReader:
             sep = self._literal((",", "}"))
             if sep == "}":
                 self._close_args()
+                self._phase = "outer"
             else:
                 self._phase = "key"
             return True
@@ -247,9 +338,6 @@ class JsonCallReader:
             raise _Bad
         return False
 
-    def _prefix(self) -> str:
-        return ", " if self._members else ""
-
     def _value(self) -> bool:
         if not self._in_string:
             self._skip()
@@ -257,66 +345,126 @@ class JsonCallReader:
                 raise _Stop
             if self._text[self._pos] != '"':
                 self._member(self._value_token())
+                self._phase = "next"
                 return True
             if not self._streams(self._key):
                 self._member(self._string_token())
+                self._phase = "next"
                 return True
-            self._emit(self._prefix() + _dumps(self._key) + ': "')
             self._pos += 1
-            self._in_string = True
-            self._string = []
-            self._maybe_release()
+            self._open_string()
         # inside a streamed string: decode what is complete and send it re-encoded
         piece, end, closed = _string_piece(self._text, self._pos)
         self._pos = end
-        if piece:
-            self._string.append(piece)
-            self._emit(_dumps(piece)[1:-1])
+        self._string_text(piece)
         if not closed:
             return False
-        self._in_string = False
-        self._emit('"')
-        self._members[self._key] = "".join(self._string)
+        self._close_string()
         self._phase = "next"
-        self._member_start = self._pos
         return True
 
-    def _member(self, value: Any) -> None:
-        if not self._member_ok(self._key, value):
+
+class XmlCallReader(_CallReader):
+    """Qwen3-Coder / Qwen3.5-class calls: `<function=NAME>` then `<parameter=KEY>\nvalue\n</parameter>`s.
+
+    Values are text; a string-typed one streams as written, the others are converted with their schema
+    type when their closing tag arrives (as the whole-block parser does).
+    """
+
+    _END_VALUE = "</parameter>"
+
+    def __init__(
+        self,
+        validator: ArgumentValidator,
+        index: int,
+        make_id: Callable[[], str],
+        coerce: Callable[[str, Any], Any],
+    ) -> None:
+        super().__init__(validator, index, make_id)
+        self._coerce = coerce
+
+    def _tag_name(self) -> str:
+        end = self._text.find(">", self._pos)
+        if end < 0:
+            if "\n" in self._text[self._pos :]:
+                raise _Bad
+            raise _Stop
+        name = self._text[self._pos : end].strip()
+        if not name or "\n" in name:
             raise _Bad
-        self._emit(self._prefix() + _dumps(self._key) + ": " + _dumps(value))
-        self._members[self._key] = value
-        self._phase = "next"
-        self._member_start = self._pos
-        self._maybe_release()
+        self._pos = end + 1
+        return name
 
-    def _close_args(self) -> None:
-        if not self._validator.valid(self.name, self._members):
-            raise _Bad
-        self._args_closed = True
-        self._emit("}")
-        self._maybe_release()
-        self._phase = "outer"
-        self._member_start = self._pos
-
-    def _property(self, key: str) -> Any:
-        props = self._schema.get("properties") or {}
-        if key in props:
-            return props[key]
-        return self._schema.get("additionalProperties", True)
-
-    def _member_ok(self, key: str, value: Any) -> bool:
-        schema = self._property(key)
-        if schema is False:
-            return False
-        return self._validator.valid_member(self.name, key, value)
-
-    def _streams(self, key: str) -> bool:
-        """Whether a string for `key` can go out before it ends (nothing about it is checked at its end)."""
-        schema = self._property(key)
-        if schema is True:
+    def _step(self) -> bool:
+        if self._phase == "head":
+            self._literal(("<function=",))
+            self._begin(self._tag_name())
+            self._phase = "param"
             return True
-        return isinstance(schema, Mapping) and set(schema) <= _PLAIN_STRING and schema.get("type", "string") == "string"
+        if self._phase == "param":
+            tag = self._literal(("<parameter=", "</function>"))
+            if tag == "</function>":
+                self._close_args()
+                self._phase = "tail"
+                return True
+            self._repeated(self._tag_name())
+            self._phase = "value"
+            return True
+        if self._phase == "value":
+            return self._value()
+        self._skip()  # tail: only whitespace may follow the function
+        if self._pos < len(self._text):
+            raise _Bad
+        return False
+
+    def _value(self) -> bool:
+        schema = self._property(self._key)
+        if not self._in_string:
+            if not (self._streams(self._key) and _is_text(schema)):
+                end = self._text.find(self._END_VALUE, self._pos)
+                if end < 0:
+                    raise _Stop
+                raw = _strip_one_newline(self._text[self._pos : end])
+                self._pos = end + len(self._END_VALUE)
+                self._member(self._coerce(raw, schema if isinstance(schema, Mapping) else None))
+                self._phase = "param"
+                return True
+            if self._pos >= len(self._text):
+                raise _Stop
+            if self._text[self._pos] == "\n":  # the line break after the tag is layout, not value
+                self._pos += 1
+            self._open_string()
+        end = self._text.find(self._END_VALUE, self._pos)
+        if end >= 0:
+            piece = self._text[self._pos : end]
+            self._string_text(piece[:-1] if piece.endswith("\n") else piece)
+            self._pos = end + len(self._END_VALUE)
+            self._close_string()
+            self._phase = "param"
+            return True
+        rest = self._text[self._pos :]
+        keep = next(
+            (n for n in range(min(len(rest), len(self._END_VALUE) - 1), 0, -1) if rest.endswith(self._END_VALUE[:n])), 0
+        )
+        safe = rest[: len(rest) - keep]
+        if safe.endswith("\n"):
+            safe = safe[:-1]  # may be the layout line break before the closing tag
+        self._string_text(safe)
+        self._pos += len(safe)
+        return False
+
+
+def _is_text(schema: Any) -> bool:
+    """A parameter whose value stays text (the XML reader then streams it)."""
+    return schema is True or (isinstance(schema, Mapping) and schema.get("type", "string") == "string")
+
+
+def _strip_one_newline(value: str) -> str:
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
 
 
 def _dumps(value: Any) -> str:

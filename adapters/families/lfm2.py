@@ -19,6 +19,9 @@ class Lfm2Codec(FamilyCodec):
     tool_start = "<|tool_call_start|>"
     tool_end = "<|tool_call_end|>"
 
+    def call_opening(self, name: str | None) -> str:
+        return f"[{name}(" if name is not None else "["
+
     def parse_calls(self, body: str, validator: ArgumentValidator) -> ParsedCalls:
         tree = ast.parse(body.strip(), mode="eval").body
         nodes = tree.elts if isinstance(tree, ast.List) else [tree]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
-from mlx_dspark.adapters.families.base import FamilyCodec, ParsedCalls
+from mlx_dspark.adapters.families.base import CallReader, FamilyCodec, ParsedCalls
+from mlx_dspark.adapters.families.incremental import XmlCallReader
 from mlx_dspark.adapters.families.validation import ArgumentValidator, coerce_scalar
 from mlx_dspark.domain.chat import ToolCall
 
@@ -20,6 +22,12 @@ class QwenXmlCodec(FamilyCodec):
     name = "qwen_xml"
     tool_start = "<tool_call>"
     tool_end = "</tool_call>"
+
+    def call_opening(self, name: str | None) -> str:
+        return "\n<function=" + (f"{name}>\n" if name is not None else "")
+
+    def call_reader(self, validator: ArgumentValidator, index: int, make_id: Callable[[], str]) -> CallReader | None:
+        return XmlCallReader(validator, index, make_id, coerce_scalar)
 
     def parse_calls(self, body: str, validator: ArgumentValidator) -> ParsedCalls:
         calls: list[tuple[str, Any]] = []

@@ -58,7 +58,8 @@ def _calls(path: str, body: dict[str, Any]) -> tuple[list[tuple[str, dict[str, A
     if path.endswith("/chat/completions"):
         choice = body["choices"][0]
         calls = [
-            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"].get("tool_calls") or []
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"].get("tool_calls") or []
         ]
         return calls, choice["message"]["content"] or "", choice["finish_reason"]
     if path.endswith("/responses"):
@@ -146,7 +147,12 @@ def test_impossible_tool_choices_are_refused_in_the_dialects_envelope(
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        _chat({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "other"}}]}}),
+        _chat(
+            {
+                "type": "allowed_tools",
+                "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "other"}}]},
+            }
+        ),
         _responses({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "other"}]}),
     ],
     ids=IDS[:2],
@@ -162,7 +168,12 @@ def test_a_call_to_a_tool_outside_allowed_tools_is_text(live: LiveServer, path: 
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        _chat({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "shell"}}]}}),
+        _chat(
+            {
+                "type": "allowed_tools",
+                "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "shell"}}]},
+            }
+        ),
         _responses({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "shell"}]}),
     ],
     ids=IDS[:2],
@@ -185,12 +196,18 @@ def test_forced_calls_through_the_sdk_stream_helpers(live: LiveServer) -> None:
     live.script(forced)
     oai = openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0)
     with oai.chat.completions.stream(
-        model="local-model", messages=USER, tools=[scripts.SHELL_TOOL_OPENAI], tool_choice="required"  # type: ignore[arg-type, list-item]
+        model="local-model",
+        messages=USER,
+        tools=[scripts.SHELL_TOOL_OPENAI],
+        tool_choice="required",  # type: ignore[arg-type, list-item]
     ) as stream:
         final = stream.get_final_completion()
     assert final.choices[0].finish_reason == "tool_calls"
     with oai.responses.stream(
-        model="local-model", input="go", tools=[scripts.SHELL_TOOL_RESPONSES], tool_choice="required"  # type: ignore[list-item]
+        model="local-model",
+        input="go",
+        tools=[scripts.SHELL_TOOL_RESPONSES],
+        tool_choice="required",  # type: ignore[list-item]
     ) as rstream:
         response = rstream.get_final_response()
     assert [o.type for o in response.output] == ["function_call"]
@@ -210,7 +227,8 @@ def test_forced_calls_through_the_sdk_stream_helpers(live: LiveServer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "param"), [({"top_logprobs": 3}, "top_logprobs"), ({"include": ["message.output_text.logprobs"]}, "include")]
+    ("extra", "param"),
+    [({"top_logprobs": 3}, "top_logprobs"), ({"include": ["message.output_text.logprobs"]}, "include")],
 )
 def test_responses_refuses_logprobs(live: LiveServer, extra: dict[str, Any], param: str) -> None:
     oai = openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0)
@@ -255,7 +273,11 @@ def test_thinking_fields_switch_the_templates_thinking(
     assert r.status_code == 200, r.text
     prompt = live.loader.target.prompts[-1]
     if tail == DEFAULT:  # the template's own default: no enable_thinking passed at all
-        assert prompt.endswith("<|im_start|>user\n" + ("hi" if path.endswith("/responses") else "go") + "<|im_end|>\n<|im_start|>assistant\n")
+        assert prompt.endswith(
+            "<|im_start|>user\n"
+            + ("hi" if path.endswith("/responses") else "go")
+            + "<|im_end|>\n<|im_start|>assistant\n"
+        )
     else:
         assert prompt.endswith(tail)
 
@@ -291,10 +313,17 @@ def test_thinking_signatures_are_keyed_and_depend_on_the_text() -> None:
     assert ThinkingSigner().sign("x") != ThinkingSigner().sign("x")  # a fresh secret per server
 
 
-def _thinking_turn(live: LiveServer, stream: bool, responder: Callable[[str], str] = scripts.thinking) -> list[dict[str, Any]]:
+def _thinking_turn(
+    live: LiveServer, stream: bool, responder: Callable[[str], str] = scripts.thinking
+) -> list[dict[str, Any]]:
     live.script(responder)
     ant = anthropic.Anthropic(base_url=live.base_url, api_key=live.api_key, max_retries=0)
-    kwargs: dict[str, Any] = {"model": "local-model", "max_tokens": 200, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    kwargs: dict[str, Any] = {
+        "model": "local-model",
+        "max_tokens": 200,
+        "messages": USER,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
     if stream:
         with ant.messages.stream(**kwargs) as s:
             message = s.get_final_message()
@@ -342,7 +371,9 @@ def test_the_api_key_is_compared_in_constant_time_on_every_route_but_health(
     real = hmac.compare_digest
 
     def spy(a: Any, b: Any) -> bool:
-        seen.append((bytes(a) if not isinstance(a, str) else a.encode(), bytes(b) if not isinstance(b, str) else b.encode()))
+        seen.append(
+            (bytes(a) if not isinstance(a, str) else a.encode(), bytes(b) if not isinstance(b, str) else b.encode())
+        )
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
@@ -360,7 +391,9 @@ def test_the_api_key_is_compared_in_constant_time_on_every_route_but_health(
             assert wrong.status_code == 401, (method, path, wrong.status_code)
             assert (b"wrong-key", key) in seen or (key, b"wrong-key") in seen, (method, path)
             seen.clear()
-            right = httpx.request(method, live.base_url + path, json={}, headers={"Authorization": f"Bearer {key.decode()}"}, timeout=10)
+            right = httpx.request(
+                method, live.base_url + path, json={}, headers={"Authorization": f"Bearer {key.decode()}"}, timeout=10
+            )
             assert right.status_code != 401 and (key, key) in seen, (method, path)
             checked.append((method, path))
     assert len(checked) >= 12  # every dialect route with and without /v1, and the model list
@@ -373,12 +406,19 @@ def test_a_streamed_anthropic_stop_sequence_names_the_matched_string(live: LiveS
     live.script(scripts.stop_words)
     ant = anthropic.Anthropic(base_url=live.base_url, api_key=live.api_key, max_retries=0)
     with ant.messages.stream(
-        model="local-model", max_tokens=50, messages=USER, stop_sequences=["NEVER", "STOP"]  # type: ignore[arg-type]
+        model="local-model",
+        max_tokens=50,
+        messages=USER,
+        stop_sequences=["NEVER", "STOP"],  # type: ignore[arg-type]
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "one two" and final.stop_reason == "stop_sequence" and final.stop_sequence == "STOP"
-    raw = _sse(live, "/v1/messages", {"model": "local-model", "max_tokens": 50, "messages": USER, "stop_sequences": ["STOP"], "stream": True})
+    raw = _sse(
+        live,
+        "/v1/messages",
+        {"model": "local-model", "max_tokens": 50, "messages": USER, "stop_sequences": ["STOP"], "stream": True},
+    )
     delta = next(d for e, d in raw if e == "message_delta")
     assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "STOP"}
 
@@ -395,7 +435,9 @@ def _long_call(prompt: str) -> str:
 def _sse(live: LiveServer, path: str, body: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
     """(event name, data) of every SSE frame, in order."""
     out: list[tuple[str | None, dict[str, Any]]] = []
-    with httpx.stream("POST", live.base_url + path, json=body, headers={"x-api-key": live.api_key or ""}, timeout=30) as r:
+    with httpx.stream(
+        "POST", live.base_url + path, json=body, headers={"x-api-key": live.api_key or ""}, timeout=30
+    ) as r:
         event: str | None = None
         for line in r.iter_lines():
             if line.startswith("event: "):
@@ -410,12 +452,18 @@ STREAMS: list[tuple[str, dict[str, Any], Callable[[str | None, dict[str, Any]], 
     (
         "/v1/chat/completions",
         {"model": "local-model", "messages": USER, "tools": [scripts.SHELL_TOOL_OPENAI], "stream": True},
-        lambda e, d: next(
-            (c["function"].get("arguments") for c in (d["choices"][0]["delta"].get("tool_calls") or []) if d["choices"]),
-            None,
-        )
-        if d.get("choices")
-        else None,
+        lambda e, d: (
+            next(
+                (
+                    c["function"].get("arguments")
+                    for c in (d["choices"][0]["delta"].get("tool_calls") or [])
+                    if d["choices"]
+                ),
+                None,
+            )
+            if d.get("choices")
+            else None
+        ),
     ),
     (
         "/v1/responses",
@@ -424,8 +472,18 @@ STREAMS: list[tuple[str, dict[str, Any], Callable[[str | None, dict[str, Any]], 
     ),
     (
         "/v1/messages",
-        {"model": "local-model", "max_tokens": 500, "messages": USER, "tools": [scripts.SHELL_TOOL_ANTHROPIC], "stream": True},
-        lambda e, d: d["delta"]["partial_json"] if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta" else None,
+        {
+            "model": "local-model",
+            "max_tokens": 500,
+            "messages": USER,
+            "tools": [scripts.SHELL_TOOL_ANTHROPIC],
+            "stream": True,
+        },
+        lambda e, d: (
+            d["delta"]["partial_json"]
+            if e == "content_block_delta" and d["delta"]["type"] == "input_json_delta"
+            else None
+        ),
     ),
 ]
 
@@ -455,7 +513,9 @@ def test_streamed_arguments_are_accepted_by_every_sdk_stream_helper(live: LiveSe
     assert kinds.count("response.function_call_arguments.delta") > 20
     assert json.loads(response.output[0].arguments) == {"command": LONG}  # type: ignore[union-attr]
     ant = anthropic.Anthropic(base_url=live.base_url, api_key=live.api_key, max_retries=0)
-    with ant.messages.stream(model="local-model", max_tokens=500, messages=USER, tools=[scripts.SHELL_TOOL_ANTHROPIC]) as ms:  # type: ignore[arg-type, list-item]
+    with ant.messages.stream(
+        model="local-model", max_tokens=500, messages=USER, tools=[scripts.SHELL_TOOL_ANTHROPIC]
+    ) as ms:  # type: ignore[arg-type, list-item]
         json_events = [e for e in ms if e.type == "input_json"]
         message = ms.get_final_message()
     assert len(json_events) > 20 and json_events[-1].snapshot == {"command": LONG}

@@ -7,7 +7,10 @@ import random
 
 import pytest
 
+from mlx_dspark.adapters.families.gemma import Gemma4Codec
 from mlx_dspark.adapters.families.hermes import HermesCodec
+from mlx_dspark.adapters.families.lfm2 import Lfm2Codec
+from mlx_dspark.adapters.families.qwen_xml import QwenXmlCodec
 from mlx_dspark.domain.chat import ChatEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolSpec
 
 SHELL = ToolSpec(
@@ -48,7 +51,7 @@ def _args(events: list[ChatEvent], index: int = 0) -> str:
 
 
 def test_a_long_argument_streams_while_it_is_written() -> None:
-    content = "line one\nline \"two\" \u00e9\t\U0001f600 end"
+    content = 'line one\nline "two" \u00e9\t\U0001f600 end'
     body = json.dumps({"name": "write", "arguments": {"path": "a.txt", "content": content}}, ensure_ascii=True)
     text = f"Writing.\n<tool_call>\n{body}\n</tool_call>"
     parser = _parser()
@@ -184,3 +187,93 @@ def test_forced_call_the_model_botches_is_text_with_its_opening() -> None:
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text == '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
     assert parser.calls == 0
+
+
+# ---- Qwen XML ------------------------------------------------------------------------------------------------
+
+
+def _xml_parser(tools: list[ToolSpec] | None = None):  # type: ignore[no-untyped-def]
+    ids = iter(f"id{i}" for i in range(100))
+    codec = QwenXmlCodec(native_tools=True)
+    return codec.parser(tools or [SHELL, WRITE], id_factory=lambda: next(ids))
+
+
+def test_xml_string_parameters_stream_and_other_types_are_converted() -> None:
+    content = 'first line\n  "quoted" </param> not the end\nlast'
+    text = (
+        "<tool_call>\n<function=write>\n<parameter=path>\nnotes.txt\n</parameter>\n"
+        f"<parameter=content>\n{content}\n</parameter>\n<parameter=mode>\na\n</parameter>\n</function>\n</tool_call>"
+    )
+    parser = _xml_parser()
+    steps = _feed_chars(parser, text)
+    events = _flat(steps)
+    end_at = text.index("</tool_call>")
+    assert len([s for s in steps[:end_at] if any(isinstance(e, ToolCallArgsDelta) for e in s)]) > 20
+    assert next(i for i, s in enumerate(steps) if s) == text.index("<parameter=content>") + len("<parameter=content>")
+    end = next(e for e in events if isinstance(e, ToolCallEnd))
+    assert json.loads(end.arguments) == {"path": "notes.txt", "content": content, "mode": "a"}
+    assert end.arguments == _args(events) and not parser.cut
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_xml_events_do_not_depend_on_chunking(seed: int) -> None:
+    text = (
+        "<tool_call>\n<function=shell>\n<parameter=timeout>\n30\n</parameter>\n<parameter=command>\n"
+        "ls -la\n\n</parameter>\n</function>\n</tool_call>"
+    )
+    rng = random.Random(seed)
+    parser = _xml_parser()
+    events: list[ChatEvent] = []
+    i = 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        events += parser.feed(text[i : i + n])
+        i += n
+    events += parser.finish()
+    assert json.loads(_args(events)) == {"timeout": 30, "command": "ls -la\n"}  # one layout newline each side
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "<function=shell>\n<parameter=timeout>\nsoon\n</parameter>\n</function>",  # wrong type, before release
+        "<function=nope>\n<parameter=command>\nls\n</parameter>\n</function>",  # not an offered tool
+        "<function=shell>\n<parameter=cmd>\nls\n</parameter>\n</function>",  # required parameter missing
+    ],
+)
+def test_xml_botched_calls_are_text(body: str) -> None:
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    events = _flat(_feed_chars(_xml_parser(), text))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text
+    assert not any(isinstance(e, ToolCallStart) for e in events)
+
+
+# ---- forced call openers, every family -------------------------------------------------------------------------
+
+FAMILIES = [
+    (
+        HermesCodec(native_tools=True),
+        '{"command": "ls"}}\n</tool_call>',
+        'shell", "arguments": {"command": "ls"}}\n</tool_call>',
+    ),
+    (
+        QwenXmlCodec(native_tools=True),
+        "<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>",
+        "shell>\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>",
+    ),
+    (Gemma4Codec(native_tools=True), '{command:<|"|>ls<|"|>}<tool_call|>', 'shell{command:<|"|>ls<|"|>}<tool_call|>'),
+    (Lfm2Codec(native_tools=True), 'command="ls")]<|tool_call_end|>', 'shell(command="ls")]<|tool_call_end|>'),
+]
+
+
+@pytest.mark.parametrize(("codec", "named_rest", "any_rest"), FAMILIES, ids=lambda v: getattr(v, "name", ""))
+def test_every_family_primes_a_forced_call(codec: object, named_rest: str, any_rest: str) -> None:
+    for name, rest in (("shell", named_rest), (None, any_rest)):
+        suffix, seen = codec.forced_call(name, in_thinking=False)  # type: ignore[attr-defined]
+        assert suffix == codec.tool_start + seen  # type: ignore[attr-defined]
+        if name:
+            assert "shell" in seen
+        parser = codec.parser([SHELL], forced=seen)  # type: ignore[attr-defined]
+        events = _flat(_feed_chars(parser, rest))
+        assert [e.name for e in events if isinstance(e, ToolCallEnd)] == ["shell"], (codec, name)
+        assert json.loads(_args(events)) == {"command": "ls"}
