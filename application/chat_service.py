@@ -53,6 +53,8 @@ class OutputParser(Protocol):
 class FamilyCodec(Protocol):
     """Renders a conversation for one model family and parses its output."""
 
+    tool_end: str  # the marker that ends one call
+
     def render(
         self, template: Tokenizer, conversation: Conversation, *, thinking: bool | None, offer_tools: bool = True
     ) -> RenderedPrompt: ...
@@ -136,11 +138,14 @@ class ChatService:
         r = turn.rendered
         yield Prepared(prompt_tokens=len(r.ids), max_tokens=turn.max_tokens)
         parser = r.codec.parser(r.tools, starts_in_thinking=r.starts_in_thinking, forced=r.forced)
+        # one call only: the call's end marker stops generation (an internal stop, never reported as one)
+        single = bool(r.tools) and not request.tool_choice.parallel and r.codec.tool_end not in request.stop
+        internal_stop = (r.codec.tool_end,) if single and r.codec.tool_end else ()
         greq = GenerationRequest(
             prompt=r.ids,
             max_tokens=turn.max_tokens,
             sampling=request.sampling,
-            stop=request.stop,
+            stop=request.stop + internal_stop,
             request_id=request.request_id or GenerationRequest(prompt="").request_id,
         )
         done: GenerationDone | None = None
@@ -165,6 +170,8 @@ class ChatService:
             else 0,
         )
         reason = result.finish_reason
+        if reason is FinishReason.STOP_SEQUENCE and result.stop_sequence in internal_stop:
+            reason = FinishReason.STOP  # our own one-call stop, not the client's
         if parser.cut and reason is not FinishReason.CONTEXT:
             reason = FinishReason.LENGTH  # a call went out that the model did not finish: no client runs it
         elif parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):

@@ -79,11 +79,13 @@ class ToolChoice:
         name: that one tool must be called (mode is REQUIRED).
         allowed: only these tools may be called (all tools stay in the prompt, so its prefix stays cached);
             None = every offered tool.
+        parallel: more than one call per turn may be made (False: the turn ends with its first call).
     """
 
     mode: ToolChoiceMode = ToolChoiceMode.AUTO
     name: str | None = None
     allowed: tuple[str, ...] | None = None
+    parallel: bool = True
 
 
 @attrs.frozen(kw_only=True)

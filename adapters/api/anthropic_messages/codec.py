@@ -234,16 +234,19 @@ def _tools(tools: list[wire.Tool]) -> Iterable[ToolSpec]:
 
 
 def _tool_choice(choice: wire.ToolChoice | None) -> ToolChoice:
-    if choice is None or choice.type == "auto":
+    if choice is None:
         return ToolChoice()
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "auto":
+        return ToolChoice(parallel=parallel)
     if choice.type == "none":
         return ToolChoice(mode=ToolChoiceMode.NONE)
     if choice.type == "any":
-        return ToolChoice(mode=ToolChoiceMode.REQUIRED)
+        return ToolChoice(mode=ToolChoiceMode.REQUIRED, parallel=parallel)
     if choice.type == "tool":
         if not choice.name:
             raise InvalidRequest(message="tool_choice.name: a tool_choice of type 'tool' needs a name")
-        return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice.name)
+        return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice.name, parallel=parallel)
     raise InvalidRequest(
         message=f"tool_choice.type: unknown type {choice.type!r} (supported: auto, any, tool, none)",
         param="tool_choice.type",

@@ -6,6 +6,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
+
 from mlx_dspark.adapters.api import common
 from mlx_dspark.adapters.api.openai_chat import wire
 from mlx_dspark.domain.chat import (
@@ -116,7 +118,7 @@ def to_chat_request(req: wire.ChatCompletionRequest, request_id: str = "") -> Ch
         ),
         stop=tuple(s for s in stop if s),
         thinking=_thinking(req),
-        tool_choice=_tool_choice(req.tool_choice),
+        tool_choice=attrs.evolve(_tool_choice(req.tool_choice), parallel=req.parallel_tool_calls is not False),
         request_id=request_id,
     )
 

@@ -80,6 +80,7 @@ class ChatCompletionRequest:
     messages: list[ChatMessage]
     tools: list[Tool] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None

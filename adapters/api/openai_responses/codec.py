@@ -113,7 +113,7 @@ def to_chat_request(
                 top_p=req.top_p if req.top_p is not None else 1.0,
             ),
             thinking=thinking,
-            tool_choice=_tool_choice(req.tool_choice),
+            tool_choice=attrs.evolve(_tool_choice(req.tool_choice), parallel=req.parallel_tool_calls is not False),
             request_id=request_id,
         ),
         tool_map,

@@ -541,3 +541,42 @@ def test_a_call_cut_by_the_token_limit_is_not_reported_as_a_finished_call(live: 
     assert reasons[-1] == "length"
     args = json.loads("".join(d for d in (arg_delta(e, f) for e, f in frames) if d))  # still valid JSON
     assert LONG.startswith(args["command"]) and args["command"] != LONG
+
+
+# ---- one call per turn -------------------------------------------------------------------------------------------
+
+def _parallel_even_when_primed(prompt: str) -> str:
+    text = scripts.parallel(prompt)
+    opener = '<tool_call>\n{"name": "'
+    return text[len(opener) :] if prompt.endswith(opener) else text
+
+
+SINGLE = [
+    (*_chat("auto"), {"parallel_tool_calls": False}),
+    (*_responses("auto"), {"parallel_tool_calls": False}),
+    (*_anthropic({"type": "auto", "disable_parallel_tool_use": True}), {}),
+    (*_anthropic({"type": "any", "disable_parallel_tool_use": True}), {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "extra"), SINGLE, ids=["chat", "responses", "anthropic-auto", "anthropic-any"]
+)
+def test_no_parallel_calls_ends_the_turn_at_the_first_call(
+    live: LiveServer, path: str, body: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    live.script(scripts.parallel)
+    both = _calls(
+        path,
+        _post(
+            live, path, {**body, "tool_choice": "auto" if not path.endswith("/messages") else {"type": "auto"}}
+        ).json(),
+    )
+    assert [args for _, args in both[0]] == [{"command": "echo one"}, {"command": "echo two"}]
+    live.script(_parallel_even_when_primed)
+    r = _post(live, path, {**body, **extra})
+    calls, text, reason = _calls(path, r.json())
+    assert calls == [("shell", {"command": "echo one"})] and text == ""
+    assert reason in ("tool_calls", "completed", "tool_use")
+    emitted = live.loader.target.emitted[-1]
+    assert emitted < len(scripts.parallel("")) // 2 + 5  # generation stopped at the first call's end
