@@ -20,7 +20,8 @@ from mlx_dspark.domain.chat import ChatEvent, ToolCallArgsDelta, ToolCallEnd, To
 
 _WS = " \t\r\n"
 _ARG_KEYS = ('"arguments"', '"parameters"')
-# Root keywords that a member-by-member check cannot judge; such tools are checked whole at the end.
+# The only root keywords a member-by-member check can judge; a tool whose schema has others (anyOf, allOf,
+# dependentRequired, …) has its calls parsed and checked whole at the end marker instead.
 _SIMPLE_ROOT = {
     "type",
     "properties",
@@ -37,9 +38,8 @@ _SIMPLE_ROOT = {
     "examples",
     "strict",
 }
-# Keywords that a string value can be checked against before it is finished (none: all are about the text).
+# A string value under only these keywords is valid however it ends, so it may stream before its end.
 _PLAIN_STRING = {"type", "description", "title", "default", "examples", "$comment"}
-_MORE, _NO = "more", "no"
 
 
 class _Stop(Exception):
@@ -61,6 +61,8 @@ class _CallReader:
         index: the call's index in this turn.
         make_id: a fresh call id (taken at release).
     """
+
+    _WHOLE: tuple[str, ...] = ("tail",)  # phases in which the arguments are complete
 
     def __init__(self, validator: ArgumentValidator, index: int, make_id: Callable[[], str]) -> None:
         self._validator = validator
@@ -105,9 +107,8 @@ class _CallReader:
                 self._fail()
         return self._flush()
 
-    _WHOLE: tuple[str, ...] = ("tail",)  # phases in which the arguments are complete
-
     def _step(self) -> bool:
+        """Advance one token; False: wait for more text; raises _Stop (retry later) or _Bad (not this shape)."""
         raise NotImplementedError
 
     def finish(self) -> tuple[list[ChatEvent], str, bool]:
