@@ -36,6 +36,7 @@ class ResponseStream:
         self.output: list[dict[str, Any]] = []
         self._item: dict[str, Any] | None = None  # the open output item
         self._text: list[str] = []
+        self._custom: _InputReader | None = None  # decodes a custom tool's input as its arguments stream
         self.final: dict[str, Any] | None = None
         self.done = False
 
@@ -98,8 +99,13 @@ class ResponseStream:
         elif item["type"] == "custom_tool_call":
             value = _custom_input(text)
             item["input"] = value
-            out.append(self._ev("response.custom_tool_call_input.delta", **ids, delta=value))
+            sent = self._custom.text if self._custom is not None else ""
+            if not value.startswith(sent):  # pragma: no cover - our arguments are canonical JSON
+                sent = ""
+            if value[len(sent) :]:
+                out.append(self._ev("response.custom_tool_call_input.delta", **ids, delta=value[len(sent) :]))
             out.append(self._ev("response.custom_tool_call_input.done", **ids, input=value))
+            self._custom = None
         item["status"] = "completed"
         out.append(self._ev("response.output_item.done", output_index=self._index, item=item))
         return out
@@ -157,6 +163,7 @@ class ResponseStream:
             if event.name in self._tools.custom:
                 item = {"id": f"ctc_{event.id}", "type": "custom_tool_call", "call_id": call_id, "name": event.name}
                 out += self._open({**item, "input": "", "status": "in_progress"})
+                self._custom = _InputReader()
             else:
                 item = {"id": f"fc_{event.id}", "type": "function_call", "call_id": call_id, "name": event.name}
                 if event.name in self._tools.namespaces:
@@ -173,6 +180,17 @@ class ResponseStream:
                         delta=event.delta,
                     )
                 )
+            elif self._item is not None and self._custom is not None:
+                piece = self._custom.feed(event.delta)
+                if piece:
+                    out.append(
+                        self._ev(
+                            "response.custom_tool_call_input.delta",
+                            item_id=self._item_id,
+                            output_index=self._index,
+                            delta=piece,
+                        )
+                    )
         elif isinstance(event, ToolCallEnd):
             out += self._close()
         elif isinstance(event, TurnFinished):
@@ -213,3 +231,42 @@ def _custom_input(arguments: str) -> str:
     if isinstance(value, dict) and isinstance(value.get("input"), str):
         return str(value["input"])
     return arguments
+
+
+class _InputReader:
+    """Decodes the `input` string of streamed `{"input": "…"}` arguments as they arrive (raw text for Codex)."""
+
+    _PREFIX = '{"input": "'
+
+    def __init__(self) -> None:
+        self._raw = ""
+        self._pos = len(self._PREFIX)
+        self._closed = False
+        self.text = ""  # decoded so far
+
+    def feed(self, delta: str) -> str:
+        self._raw += delta
+        if self._closed or not self._raw.startswith(self._PREFIX[: len(self._raw)]):
+            return ""
+        out: list[str] = []
+        raw, i = self._raw, self._pos
+        while i < len(raw):
+            c = raw[i]
+            if c == '"':
+                self._closed = True
+                break
+            if c != "\\":
+                out.append(c)
+                i += 1
+                continue
+            size = 2
+            if raw[i + 1 : i + 2] == "u":
+                size = 12 if raw[i + 2 : i + 4].lower() in ("d8", "d9", "da", "db") else 6  # surrogate pairs
+            if i + size > len(raw) or i + 1 >= len(raw):
+                break
+            out.append(json.loads('"' + raw[i : i + size] + '"'))
+            i += size
+        self._pos = i
+        piece = "".join(out)
+        self.text += piece
+        return piece

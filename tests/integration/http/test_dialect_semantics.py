@@ -545,6 +545,7 @@ def test_a_call_cut_by_the_token_limit_is_not_reported_as_a_finished_call(live: 
 
 # ---- one call per turn -------------------------------------------------------------------------------------------
 
+
 def _parallel_even_when_primed(prompt: str) -> str:
     text = scripts.parallel(prompt)
     opener = '<tool_call>\n{"name": "'
@@ -580,3 +581,26 @@ def test_no_parallel_calls_ends_the_turn_at_the_first_call(
     assert reason in ("tool_calls", "completed", "tool_use")
     emitted = live.loader.target.emitted[-1]
     assert emitted < len(scripts.parallel("")) // 2 + 5  # generation stopped at the first call's end
+
+
+def test_a_freeform_tool_input_streams_as_raw_text(live: LiveServer) -> None:
+    patch = (
+        "*** Begin Patch\n*** Add File: a.txt\n"
+        + "".join(f'+line {i} "q" \u00e9\n' for i in range(15))
+        + "*** End Patch\n"
+    )
+    live.script(
+        lambda prompt: (
+            "<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": patch}}) + "\n</tool_call>"
+        )
+    )
+    apply_patch = {"type": "custom", "name": "apply_patch", "description": "Edit files", "format": {"type": "text"}}
+    frames = _sse(
+        live, "/v1/responses", {"model": "local-model", "input": "edit", "tools": [apply_patch], "stream": True}
+    )
+    deltas = [f["delta"] for e, f in frames if e == "response.custom_tool_call_input.delta"]
+    assert len(deltas) > 20 and "".join(deltas) == patch
+    oai = openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0)
+    with oai.responses.stream(model="local-model", input="edit", tools=[apply_patch]) as rs:  # type: ignore[list-item]
+        response = rs.get_final_response()
+    assert response.output[0].type == "custom_tool_call" and response.output[0].input == patch
