@@ -408,9 +408,12 @@ class StreamParser:
     def _feed_call(self, text: str, out: list[ChatEvent]) -> None:
         if not text:
             return
+        reader = self._reader
+        if reader is not None and not reader.fallback:
+            out.extend(reader.feed(text))
+            if reader.released:
+                return  # the reader keeps what a released call still needs
         self._raw += text
-        if self._reader is not None and not self._reader.fallback:
-            out.extend(self._reader.feed(text))
 
     def _end_call(self, out: list[ChatEvent], *, terminated: bool) -> None:
         reader, self._reader = self._reader, None

@@ -215,6 +215,9 @@ class _CallReader:
         if piece:
             self._string.append(piece)
             self._emit(_dumps(piece)[1:-1])
+        if self._pos > 4096:  # in a string nothing before the cursor is needed again (call _string_text last)
+            self._text = self._text[self._pos :]
+            self._pos = self._member_start = 0
 
     def _close_string(self) -> None:
         self._in_string = False
@@ -438,8 +441,8 @@ class XmlCallReader(_CallReader):
         end = self._text.find(self._END_VALUE, self._pos)
         if end >= 0:
             piece = self._text[self._pos : end]
-            self._string_text(piece[:-1] if piece.endswith("\n") else piece)
             self._pos = end + len(self._END_VALUE)
+            self._string_text(piece[:-1] if piece.endswith("\n") else piece)
             self._close_string()
             self._phase = "param"
             return True
@@ -450,8 +453,8 @@ class XmlCallReader(_CallReader):
         safe = rest[: len(rest) - keep]
         if safe.endswith("\n"):
             safe = safe[:-1]  # may be the layout line break before the closing tag
-        self._string_text(safe)
         self._pos += len(safe)
+        self._string_text(safe)
         return False
 
 

@@ -277,3 +277,31 @@ def test_every_family_primes_a_forced_call(codec: object, named_rest: str, any_r
         events = _flat(_feed_chars(parser, rest))
         assert [e.name for e in events if isinstance(e, ToolCallEnd)] == ["shell"], (codec, name)
         assert json.loads(_args(events)) == {"command": "ls"}
+
+
+@pytest.mark.parametrize("family", ["json", "xml"])
+def test_a_very_long_streamed_value_comes_through_whole(family: str) -> None:
+    content = "".join(f'line {i}: "x" \\ \u00e9 </param\n' for i in range(600))  # past the compaction threshold
+    if family == "json":
+        parser = _parser()
+        text = (
+            "<tool_call>\n"
+            + json.dumps({"name": "write", "arguments": {"path": "p", "content": content}})
+            + "\n</tool_call>"
+        )
+    else:
+        parser = _xml_parser()
+        text = (
+            "<tool_call>\n<function=write>\n<parameter=path>\np\n</parameter>\n"
+            f"<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>"
+        )
+    rng = random.Random(family)
+    events: list[ChatEvent] = []
+    i = 0
+    while i < len(text):
+        n = rng.randint(1, 40)
+        events += parser.feed(text[i : i + n])
+        i += n
+    events += parser.finish()
+    assert sum(isinstance(e, ToolCallArgsDelta) for e in events) > 100
+    assert json.loads(_args(events)) == {"path": "p", "content": content} and not parser.cut
