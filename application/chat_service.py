@@ -12,7 +12,13 @@ from typing import Protocol
 
 import attrs
 
-from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService, TextChunk
+from mlx_dspark.application.generation import (
+    GenerationDone,
+    GenerationRequest,
+    GenerationResult,
+    GenerationService,
+    TextChunk,
+)
 from mlx_dspark.application.ports import LoadedModel, Tokenizer
 from mlx_dspark.application.settings import ServerSettings
 from mlx_dspark.domain.chat import (
@@ -83,7 +89,14 @@ class Prepared:
     max_tokens: int
 
 
-ChatItem = Prepared | ChatEvent
+@attrs.frozen(kw_only=True)
+class Report:
+    """Sent just before TurnFinished: how the turn ran (mode, rounds, acceptance, timings) for the request log."""
+
+    result: GenerationResult
+
+
+ChatItem = Prepared | Report | ChatEvent
 
 
 @attrs.frozen(kw_only=True)
@@ -127,7 +140,7 @@ class ChatService:
         return len(self._render(generator.model, request).ids)
 
     def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
-        """Yield Prepared, then text / reasoning / tool-call events, then one TurnFinished.
+        """Yield Prepared, then text / reasoning / tool-call events, then a Report and one TurnFinished.
 
         Raises:
             PromptTooLong: the prompt alone does not fit the context window.
@@ -176,6 +189,7 @@ class ChatService:
             reason = FinishReason.LENGTH  # a call went out that the model did not finish: no client runs it
         elif parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):
             reason = FinishReason.TOOL_CALLS
+        yield Report(result=result)
         yield TurnFinished(
             reason=reason,
             usage=usage,

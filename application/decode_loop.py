@@ -7,7 +7,7 @@ same in every mode by construction.
 from __future__ import annotations
 
 import random
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 from mlx_dspark.domain.budget import plan_commit, round_cap
 from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats
@@ -31,6 +31,7 @@ def decode(
     cap_policy: CapPolicy | None = None,
     reuse_prefix: int = 0,
     context_window: int | None = None,
+    halt: Callable[[], bool] | None = None,
 ) -> Generator[DecodeEvent, None, None]:
     """Generate from `prompt`, yielding events; closing the iterator cancels the request.
 
@@ -44,6 +45,8 @@ def decode(
         cap_policy: how many drafts per round; defaults to the source's full block.
         reuse_prefix: leading prompt tokens whose rows are already in the target's cache.
         context_window: the target's context length, enforced before every round.
+        halt: asked after each commit's events; True ends the request as STOP_SEQUENCE (the caller saw a
+            stop string), with this round's real accounting in Finished.
 
     Yields:
         TokensCommitted, RoundFinished and CapChanged events, then exactly one Finished.
@@ -76,6 +79,8 @@ def decode(
         generated += len(plan.tokens)
         yield TokensCommitted(tokens=plan.tokens)
     finish = plan.finish
+    if finish is None and halt is not None and halt():
+        finish = FinishReason.STOP_SEQUENCE
     decode_start = clock.now()
 
     def usage() -> Usage:
@@ -141,4 +146,6 @@ def decode(
                 yield CapChanged(old=decision.old, new=decision.new, reason=decision.reason)
         index += 1
         finish = plan.finish
+        if finish is None and halt is not None and halt():
+            finish = FinishReason.STOP_SEQUENCE
     yield Finished(reason=finish, usage=usage())

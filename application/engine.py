@@ -3,6 +3,10 @@
 HTTP handlers never touch the model. Each job is a function of the engine's GenerationService returning an
 iterator; its items travel to the caller's asyncio queue through `loop.call_soon_threadsafe`. Cancelling a
 job (client disconnect) closes its iterator at the next item, which stops the decode loop.
+
+The queue is bounded (`max_queue` jobs waiting; one more is refused with `Overloaded`). Quick jobs (token
+counting) run on the same thread between two items of the running job, so they never wait for a whole
+generation and the tokenizer is only ever used from this thread.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import attrs
 import structlog
 
 from mlx_dspark.application.generation import GenerationService
-from mlx_dspark.domain.errors import CapacityExceeded
+from mlx_dspark.domain.errors import CapacityExceeded, Overloaded
 
 T = TypeVar("T")
 Work = Callable[[GenerationService], Iterator[T]]
@@ -30,6 +34,7 @@ class EngineDown(CapacityExceeded):
 
 
 _ITEM, _ERROR, _END = "item", "error", "end"
+_WAKE = object()  # puts the idle engine thread to work on the quick lane
 
 
 class EngineJob(Generic[T]):
@@ -92,12 +97,23 @@ class EngineThread:
 
     Args:
         generator_factory: builds the GenerationService (loads the model) on the engine thread.
+        max_queue: jobs that may wait (both lanes together) besides the running one.
         name: the thread's name.
     """
 
-    def __init__(self, generator_factory: Callable[[], GenerationService], *, name: str = "mlx-dspark-engine") -> None:
+    def __init__(
+        self,
+        generator_factory: Callable[[], GenerationService],
+        *,
+        max_queue: int = 16,
+        name: str = "mlx-dspark-engine",
+    ) -> None:
         self._factory = generator_factory
-        self._jobs: queue.Queue[EngineJob[Any] | None] = queue.Queue()
+        self._jobs: queue.Queue[Any] = queue.Queue()  # EngineJob, _WAKE, or None (stop)
+        self._quick: queue.SimpleQueue[EngineJob[Any]] = queue.SimpleQueue()
+        self._max_queue = max_queue
+        self._waiting = 0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._ready = threading.Event()
         self._generator: GenerationService | None = None
@@ -152,17 +168,39 @@ class EngineThread:
 
     # ---- jobs ---------------------------------------------------------------------------------------------
 
-    def submit(self, work: Work[T], loop: asyncio.AbstractEventLoop | None = None) -> EngineJob[T]:
-        """Queue `work` for the engine thread.
+    def submit(
+        self, work: Work[T], loop: asyncio.AbstractEventLoop | None = None, *, quick: bool = False
+    ) -> EngineJob[T]:
+        """Queue `work` for the engine thread; `quick` work (short, no decoding) runs between two items.
 
         Raises:
             EngineDown: the engine is not running.
+            Overloaded: `max_queue` jobs are already waiting.
         """
         if not self.alive or self._stopping:
             raise EngineDown(message=self._down_message())
         job: EngineJob[T] = EngineJob(work, loop or asyncio.get_running_loop())
-        self._jobs.put(job)
+        with self._lock:
+            if self._waiting >= self._max_queue:
+                raise Overloaded(
+                    message=f"the server is busy: {self._waiting} requests are already waiting; try again in 1s"
+                )
+            self._waiting += 1
+        if quick:
+            self._quick.put(job)
+            self._jobs.put(_WAKE)
+        else:
+            self._jobs.put(job)
         return job
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued and not yet started."""
+        return self._waiting
+
+    def _taken(self) -> None:
+        with self._lock:
+            self._waiting -= 1
 
     def _main(self) -> None:
         try:
@@ -179,11 +217,23 @@ class EngineThread:
                 job = self._jobs.get()
                 if job is None:
                     return
-                self._run(job, self._generator)
+                if job is not _WAKE:
+                    self._taken()
+                    self._run(job, self._generator)
+                self._run_quick(self._generator)
         finally:
             self._drain()
 
-    def _run(self, job: EngineJob[Any], generator: GenerationService) -> None:
+    def _run_quick(self, generator: GenerationService) -> None:
+        while True:
+            try:
+                job = self._quick.get_nowait()
+            except queue.Empty:
+                return
+            self._taken()
+            self._run(job, generator, between=False)
+
+    def _run(self, job: EngineJob[Any], generator: GenerationService, *, between: bool = True) -> None:
         if job.cancelled:
             job._push(_END, None)
             return
@@ -194,6 +244,8 @@ class EngineThread:
                 job._push(_ITEM, item)
                 if job.cancelled:
                     break
+                if between:
+                    self._run_quick(generator)
         except Exception as exc:  # a failed request must never take the engine down
             job._push(_ERROR, exc)
             return
@@ -205,10 +257,11 @@ class EngineThread:
 
     def _drain(self) -> None:
         """Answer every queued job once the thread is ending, so no caller waits forever."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job._push(_ERROR, EngineDown(message=self._down_message()))
+        for lane in (self._jobs, self._quick):
+            while True:
+                try:
+                    job = lane.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(job, EngineJob):
+                    job._push(_ERROR, EngineDown(message=self._down_message()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted, Usage
+from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
 from mlx_dspark.domain.ports import Clock, DraftSource, TelemetrySink
 from mlx_dspark.domain.stops import StopStringMatcher
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
@@ -78,9 +79,12 @@ class GenerationResult:
     tokens_per_second: float
     end_to_end_tokens_per_second: float
     time_to_first_token_s: float
+    prefill_s: float
+    decode_s: float
     mode: str
     cap: int
     source: str = PLAIN  # the draft source that ran (auto mode may switch between requests)
+    cap_histogram: Mapping[int, int] = attrs.field(factory=dict)  # rounds per draft cap
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +160,15 @@ class GenerationService:
         selection = self.selector.select(ids)
         if selection.switched is not None:
             self._telemetry.emit(request.request_id, selection.switched)
+        detok = IncrementalDetokenizer(self.model.tokenizer)
+        matcher = StopStringMatcher(request.stop)
+        start = self._clock.now()
+        first_token_at: float | None = None
+        tokens: list[int] = []
+        text_parts: list[str] = []
+        caps: Counter[int] = Counter()
+        matched: str | None = None
+        finished: Finished | None = None
         events = decode(
             self.model.target,
             ids,
@@ -166,56 +179,57 @@ class GenerationService:
             cap_policy=selection.policy,
             reuse_prefix=reuse,
             context_window=self.model.context_window,
+            halt=lambda: matched is not None,
         )
-        detok = IncrementalDetokenizer(self.model.tokenizer)
-        matcher = StopStringMatcher(request.stop)
-        start = self._clock.now()
-        first_token_at: float | None = None
-        tokens: list[int] = []
-        text_parts: list[str] = []
-        caps: list[int] = []
-        matched: str | None = None
-        finished: Finished | None = None
         try:
             for event in events:
+                if isinstance(event, Finished):
+                    finished = event
+                    continue
                 self._telemetry.emit(request.request_id, event)
                 if isinstance(event, TokensCommitted):
                     if first_token_at is None:
                         first_token_at = self._clock.now()
-                    tokens.extend(event.tokens)
-                    check = matcher.feed(detok.add(event.tokens))
-                    if check.emit:
-                        text_parts.append(check.emit)
-                        yield TextChunk(text=check.emit, token_ids=event.tokens)
-                    if check.matched is not None:
-                        matched = check.matched
-                        break
+                    if matched is not None:  # pragma: no cover - the loop halts at the end of the round
+                        continue
+                    # With stop strings, text goes one token at a time: the ids kept end at the stop.
+                    steps = [event.tokens] if not request.stop else [(t,) for t in event.tokens]
+                    emitted: list[str] = []
+                    kept: list[int] = []
+                    for step in steps:
+                        kept.extend(step)
+                        check = matcher.feed(detok.add(step))
+                        emitted.append(check.emit)
+                        if check.matched is not None:
+                            matched = check.matched
+                            break
+                    tokens.extend(kept)
+                    text = "".join(emitted)
+                    if text:
+                        text_parts.append(text)
+                        yield TextChunk(text=text, token_ids=tuple(kept))
                 elif isinstance(event, RoundFinished):
-                    caps.append(event.cap)
-                elif isinstance(event, Finished):
-                    finished = event
+                    caps[event.cap] += 1
         finally:
             events.close()
+        if finished is None:  # pragma: no cover - the decode loop always ends with Finished
+            raise AssertionError("the decode loop ended without Finished")
         if matched is None:
             tail = matcher.feed(detok.flush()).emit + matcher.flush()
             if tail:
                 text_parts.append(tail)
                 yield TextChunk(text=tail, token_ids=())
         end = self._clock.now()
-        if finished is not None:
-            usage = finished.usage
-            reason = finished.reason
-        else:
-            usage = Usage(
-                prompt_tokens=len(ids),
-                generated_tokens=len(tokens),
-                cached_prompt_tokens=reuse,
-                decode_s=max(end - (first_token_at or end), 0.0),
-                source=selection.name,
-            )
-            reason = FinishReason.STOP_SEQUENCE
-            finished = Finished(reason=reason, usage=usage, stop_sequence=matched)
-            self._telemetry.emit(request.request_id, finished)
+        # Tokens past a stop string were generated in its round but are not output; nor can more of the
+        # prompt be cached than the prompt.
+        usage = attrs.evolve(
+            finished.usage,
+            generated_tokens=len(tokens),
+            cached_prompt_tokens=min(finished.usage.cached_prompt_tokens, len(ids)),
+        )
+        reason = FinishReason.STOP_SEQUENCE if matched is not None else finished.reason
+        finished = Finished(reason=reason, usage=usage, stop_sequence=matched)
+        self._telemetry.emit(request.request_id, finished)
         self.selector.finished(selection, usage)
         ttft = (first_token_at - start) if first_token_at is not None else end - start
         decode_s = max(end - (first_token_at or end), 1e-9)
@@ -235,9 +249,12 @@ class GenerationService:
                 tokens_per_second=max(len(tokens) - 1, 0) / decode_s if len(tokens) > 1 else 0.0,
                 end_to_end_tokens_per_second=len(tokens) / max(end - start, 1e-9),
                 time_to_first_token_s=ttft,
+                prefill_s=usage.prefill_s,
+                decode_s=usage.decode_s,
                 mode=self.mode,
                 cap=max(caps, default=0),
                 source=selection.name,
+                cap_histogram=dict(sorted(caps.items())),
             )
         )
 

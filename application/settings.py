@@ -41,14 +41,34 @@ class DecodeSettings:
     seed: int | None = None
 
 
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise InvalidRequest(message=f"{attribute.name} must be > 0, got {value}", param=attribute.name)
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
+    """The server's address, auth and limits.
+
+    Attributes:
+        api_key: required on every route but /health when set; never shown in a repr or a log.
+        cors_origins: browser origins allowed to call the API (besides the server's own pages).
+        allowed_hosts: extra `Host` names to accept (e.g. behind a proxy); IP literals and localhost always pass.
+        keepalive_s: seconds of engine silence before a stream sends a keep-alive event.
+        max_body_bytes: the largest request body accepted (413 above it).
+        max_queue: requests waiting for the engine beyond the running one (429/529 above it).
+    """
+
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)
     context_window: int | None = None
     max_tokens_cap: int | None = None
     cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    keepalive_s: float = attrs.field(default=5.0, validator=_positive)
+    max_body_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
+    max_queue: int = attrs.field(default=16, validator=_positive)
 
 
 @attrs.frozen(kw_only=True)

@@ -43,3 +43,8 @@ class IncompatibleDrafter(DomainError):
 @attrs.define(auto_exc=True, kw_only=True)
 class CapacityExceeded(DomainError):
     """The device ran out of memory or the engine is saturated."""
+
+
+@attrs.define(auto_exc=True, kw_only=True)
+class Overloaded(CapacityExceeded):
+    """Too many requests are already waiting; the caller should retry later (429 / 529)."""

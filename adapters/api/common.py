@@ -125,18 +125,41 @@ def structure(conv: cattrs.Converter, data: Any, cls: type[T]) -> T:
         raise InvalidRequest(message=f"invalid request: {exc}") from exc
 
 
+MAX_JSON_DEPTH = 64  # far above any real request; keeps recursive code downstream (templates, schemas) safe
+
+
 def parse_json_body(raw: bytes) -> Any:
     """The request body as JSON.
 
     Raises:
-        InvalidRequest: empty or malformed JSON (with the position of the error).
+        InvalidRequest: empty or malformed JSON (with the position of the error), or nested too deeply.
     """
     if not raw.strip():
         raise InvalidRequest(message="the request body is empty; expected a JSON object")
+    too_deep = InvalidRequest(message=f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
+    except RecursionError as exc:
+        raise too_deep from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(message=f"the request body is not valid JSON: {exc}") from exc
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in `value` (iterative: any depth is safe to measure)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def sse(data: Mapping[str, Any] | str, event: str | None = None) -> bytes:
@@ -180,6 +203,8 @@ _OPENAI_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }

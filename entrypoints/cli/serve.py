@@ -22,6 +22,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cors-origin", dest="cors_origins", action="append", help="allow browser calls from ORIGIN (repeatable)"
     )
+    p.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        help="accept this Host name too, e.g. behind a proxy (repeatable; IP addresses and localhost always pass)",
+    )
+    p.add_argument("--keepalive", dest="keepalive_s", type=float, help="seconds between stream keep-alives (default 5)")
+    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
+    p.add_argument("--max-queue", type=int, help="requests that may wait for the engine (default 16; then 429/529)")
     return p
 
 

@@ -1,7 +1,8 @@
 """The Litestar app: three API dialects on one port over one engine thread, plus /health.
 
 `create_app(services, settings)` wires everything; the engine (and so the model load) starts with the
-app's lifespan. Tests pass services built on fakes.
+app's lifespan. Tests pass services built on fakes. Every route sits behind the admission guard
+(admission.py); unknown routes answer 404 in the OpenAI envelope (Anthropic's for its paths).
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ from typing import Any
 from litestar import Litestar, Request, Response, get, route
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException
 
 from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
-from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support
-
-DEFAULT_MAX_BODY = 64 * 1024 * 1024
-DEFAULT_KEEPALIVE_S = 5.0
+from mlx_dspark.entrypoints.http import (
+    admission,
+    routes_anthropic,
+    routes_openai_chat,
+    routes_openai_responses,
+    support,
+)
 
 
 @get("/health", sync_to_thread=False)
@@ -45,22 +50,30 @@ def root() -> Response[Any]:
     return Response(content={"status": "ok", "service": "mlx-dspark"})
 
 
-def create_app(
-    services: Services,
-    settings: Settings | None = None,
-    *,
-    engine: EngineThread | None = None,
-    keepalive_s: float = DEFAULT_KEEPALIVE_S,
-    max_body_bytes: int = DEFAULT_MAX_BODY,
-) -> Litestar:
+def _fallback_handler() -> Any:
+    """Errors outside the dialect routers (unknown paths, /health): OpenAI's envelope, Anthropic's for its paths."""
+    openai = support.error_handler(
+        routes_openai_chat.DIALECT.name, routes_openai_chat.DIALECT.from_exception, routes_openai_chat.DIALECT.envelope
+    )
+    anthropic = support.error_handler(
+        routes_anthropic.DIALECT.name, routes_anthropic.DIALECT.from_exception, routes_anthropic.DIALECT.envelope
+    )
+
+    def handle(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+        path = request.url.path
+        if path.startswith(("/v1/messages", "/messages")) or "anthropic-version" in request.headers:
+            return anthropic(request, exc)
+        return openai(request, exc)
+
+    return handle
+
+
+def create_app(services: Services, settings: Settings | None = None) -> Litestar:
     """The server app.
 
     Args:
         services: wired adapters (a fake loader in tests).
-        settings: the settings tree (defaults to services.settings).
-        engine: an engine to use instead of one that builds the configured GenerationService.
-        keepalive_s: seconds of engine silence before a dialect keep-alive event.
-        max_body_bytes: the largest accepted request body.
+        settings: the settings tree (defaults to services.settings); `settings.server` holds the limits.
     """
     settings = settings or services.settings
 
@@ -69,14 +82,8 @@ def create_app(
 
         return build_generator(services, settings)
 
-    engine = engine or EngineThread(build)
-    ctx = support.HttpContext(
-        engine=engine,
-        chat=ChatService(services.families, settings.server),
-        settings=settings,
-        keepalive_s=keepalive_s,
-        max_body_bytes=max_body_bytes,
-    )
+    engine = EngineThread(build, max_queue=settings.server.max_queue)
+    ctx = support.HttpContext(engine=engine, chat=ChatService(services.families, settings.server), settings=settings)
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -87,6 +94,7 @@ def create_app(
             engine.stop(timeout=5)
 
     cors = CORSConfig(allow_origins=list(settings.server.cors_origins)) if settings.server.cors_origins else None
+    fallback = _fallback_handler()
     return Litestar(
         route_handlers=[
             health,
@@ -95,9 +103,11 @@ def create_app(
             routes_openai_chat.router(),
             routes_openai_responses.router(),
         ],
+        guards=[admission.admission_guard],
         lifespan=[lifespan],
         cors_config=cors,
         request_max_body_size=None,  # enforced per dialect, so the 413 comes in the dialect's envelope
+        exception_handlers={HTTPException: fallback, Exception: fallback},
         state=State({"ctx": ctx}),
         openapi_config=None,
         logging_config=None,

@@ -2,47 +2,64 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-import anyio
+import attrs
 from litestar import Request, Response, Router, post
+from litestar.response import Stream
 
-from mlx_dspark.adapters.api.anthropic_messages import codec, errors
+from mlx_dspark.adapters.api.anthropic_messages import codec, errors, wire
 from mlx_dspark.adapters.api.anthropic_messages.stream import MessageStream
 from mlx_dspark.adapters.api.common import new_id
-from mlx_dspark.entrypoints.http import support
+from mlx_dspark.application.chat_service import Prepared
+from mlx_dspark.domain.chat import ChatEvent, ChatRequest
+from mlx_dspark.entrypoints.http import driver, support
+
+DIALECT = driver.Dialect("anthropic", errors.from_exception, errors.envelope)
+
+
+@attrs.define
+class MessagesExchange:
+    wreq: wire.MessagesRequest
+    message_id: str = attrs.Factory(lambda: new_id("msg_"))
+
+    @property
+    def model(self) -> str:
+        return self.wreq.model
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.wreq.stream)
+
+    def chat_request(self, request_id: str) -> ChatRequest:
+        return codec.to_chat_request(self.wreq, request_id=request_id)
+
+    def stream(self, prepared: Prepared) -> MessageStream:
+        return MessageStream(model=self.model, message_id=self.message_id, input_tokens=prepared.prompt_tokens)
+
+    def body(self, events: Sequence[ChatEvent], prepared: Prepared) -> dict[str, Any]:
+        return codec.message_body(events, model=self.model, message_id=self.message_id)
+
+    def observe(self, event: ChatEvent) -> None:
+        pass
 
 
 @post(["/v1/messages", "/messages"], status_code=200)
-async def create_message(request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_message(request: Request[Any, Any, Any]) -> Response[Any] | Stream:
     """Create a message, streamed (named SSE events) or whole."""
-    ctx = support.context(request)
-    wreq = codec.parse_messages(await support.read_json(request))
-    ctx.check_model(wreq.model)
-    request_id = new_id("")
-    creq = codec.to_chat_request(wreq, request_id=request_id)
-    record = support.RequestLog("anthropic", request.url.path, wreq.model, bool(wreq.stream), request_id)
-    job = support.submit(ctx, creq)
-    prepared = await support.first(job)
-    message_id = new_id("msg_")
-    if wreq.stream:
-        stream = MessageStream(model=wreq.model, message_id=message_id, input_tokens=prepared.prompt_tokens)
-        return support.sse_response(ctx, job, stream, record)
-    events = await support.collect(request, job, record)
-    body = codec.message_body(events, model=wreq.model, message_id=message_id)
-    record.emit(200)
-    return Response(content=body, status_code=200)
+    return await driver.drive(request, DIALECT, lambda _, body: MessagesExchange(codec.parse_messages(body)))
+
+
+def _count_request(body: Any) -> tuple[str, ChatRequest]:
+    wreq = codec.parse_count_tokens(body)
+    return wreq.model, codec.to_chat_request(wreq)
 
 
 @post(["/v1/messages/count_tokens", "/messages/count_tokens"], status_code=200)
 async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
     """Prompt tokens through the real chat template and tokenizer."""
-    ctx = support.context(request)
-    wreq = codec.parse_count_tokens(await support.read_json(request))
-    ctx.check_model(wreq.model)
-    creq = codec.to_chat_request(wreq)
-    generator = ctx.engine.generator
-    n = await anyio.to_thread.run_sync(ctx.chat.count_tokens, generator, creq)
+    n = await driver.count(request, DIALECT, _count_request)
     return Response(content={"input_tokens": n}, status_code=200)
 
 
@@ -51,5 +68,5 @@ def router() -> Router:
         path="/",
         route_handlers=[create_message, count_tokens],
         guards=[support.api_key_guard],
-        exception_handlers={Exception: support.error_handler("anthropic", errors.from_exception, errors.envelope)},
+        exception_handlers={Exception: support.error_handler(DIALECT.name, DIALECT.from_exception, DIALECT.envelope)},
     )

@@ -3,39 +3,58 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import attrs
 from litestar import Request, Response, Router, get, post
+from litestar.response import Stream
 
 from mlx_dspark.adapters.api.anthropic_messages import codec as anthropic_codec
 from mlx_dspark.adapters.api.common import new_id
-from mlx_dspark.adapters.api.openai_chat import codec, errors
+from mlx_dspark.adapters.api.openai_chat import codec, errors, wire
 from mlx_dspark.adapters.api.openai_chat.stream import CompletionStream
-from mlx_dspark.entrypoints.http import support
+from mlx_dspark.application.chat_service import Prepared
+from mlx_dspark.domain.chat import ChatEvent, ChatRequest
+from mlx_dspark.entrypoints.http import driver, support
+
+DIALECT = driver.Dialect("openai_chat", errors.from_exception, errors.envelope)
+
+
+@attrs.define
+class CompletionExchange:
+    wreq: wire.ChatCompletionRequest
+    completion_id: str = attrs.Factory(lambda: new_id("chatcmpl-"))
+    created: int = attrs.Factory(lambda: int(time.time()))
+
+    @property
+    def model(self) -> str:
+        return self.wreq.model
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.wreq.stream)
+
+    def chat_request(self, request_id: str) -> ChatRequest:
+        return codec.to_chat_request(self.wreq, request_id=request_id)
+
+    def stream(self, prepared: Prepared) -> CompletionStream:
+        include_usage = bool(self.wreq.stream_options and self.wreq.stream_options.include_usage)
+        return CompletionStream(
+            model=self.model, completion_id=self.completion_id, created=self.created, include_usage=include_usage
+        )
+
+    def body(self, events: Sequence[ChatEvent], prepared: Prepared) -> dict[str, Any]:
+        return codec.completion_body(events, model=self.model, completion_id=self.completion_id, created=self.created)
+
+    def observe(self, event: ChatEvent) -> None:
+        pass
 
 
 @post(["/v1/chat/completions", "/chat/completions"], status_code=200)
-async def create_completion(request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_completion(request: Request[Any, Any, Any]) -> Response[Any] | Stream:
     """Create a chat completion, streamed (`data:` chunks) or whole."""
-    ctx = support.context(request)
-    wreq = codec.parse(await support.read_json(request))
-    ctx.check_model(wreq.model)
-    request_id = new_id("")
-    creq = codec.to_chat_request(wreq, request_id=request_id)
-    record = support.RequestLog("openai_chat", request.url.path, wreq.model, bool(wreq.stream), request_id)
-    job = support.submit(ctx, creq)
-    await support.first(job)
-    completion_id, created = new_id("chatcmpl-"), int(time.time())
-    if wreq.stream:
-        include_usage = bool(wreq.stream_options and wreq.stream_options.include_usage)
-        stream = CompletionStream(
-            model=wreq.model, completion_id=completion_id, created=created, include_usage=include_usage
-        )
-        return support.sse_response(ctx, job, stream, record)
-    events = await support.collect(request, job, record)
-    body = codec.completion_body(events, model=wreq.model, completion_id=completion_id, created=created)
-    record.emit(200)
-    return Response(content=body, status_code=200)
+    return await driver.drive(request, DIALECT, lambda _, body: CompletionExchange(codec.parse(body)))
 
 
 @get(["/v1/models", "/models"])
@@ -61,5 +80,5 @@ def router() -> Router:
         path="/",
         route_handlers=[create_completion, list_models, get_model],
         guards=[support.api_key_guard],
-        exception_handlers={Exception: support.error_handler("openai_chat", errors.from_exception, errors.envelope)},
+        exception_handlers={Exception: support.error_handler(DIALECT.name, DIALECT.from_exception, DIALECT.envelope)},
     )

@@ -2,24 +2,68 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import attrs
 from litestar import Request, Response, Router, post
+from litestar.response import Stream
 
 from mlx_dspark.adapters.api.common import new_id
-from mlx_dspark.adapters.api.openai_responses import codec, errors
+from mlx_dspark.adapters.api.openai_responses import codec, errors, wire
 from mlx_dspark.adapters.api.openai_responses.stream import ResponseStream
-from mlx_dspark.domain.chat import ChatEvent, Message, TurnFinished
+from mlx_dspark.application.chat_service import Prepared
+from mlx_dspark.domain.chat import ChatEvent, ChatRequest, TurnFinished, Message
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.entrypoints.http import support
+from mlx_dspark.entrypoints.http import driver, support
+
+DIALECT = driver.Dialect("openai_responses", errors.from_exception, errors.envelope)
 
 
-@post(["/v1/responses", "/responses"], status_code=200)
-async def create_response(request: Request[Any, Any, Any]) -> Response[Any]:
-    """Create a response, streamed (sequence-numbered events, closed after response.completed) or whole."""
-    ctx = support.context(request)
-    wreq = codec.parse(await support.read_json(request))
-    ctx.check_model(wreq.model)
+@attrs.define
+class ResponsesExchange:
+    """One Responses turn; remembers the finished conversation for a later previous_response_id."""
+
+    ctx: support.HttpContext
+    wreq: wire.ResponsesRequest
+    history: tuple[Message, ...]
+    response_id: str = attrs.Factory(lambda: new_id("resp_"))
+    _creq: ChatRequest | None = None
+    _tool_map: codec.ToolMap | None = None
+    _seen: list[ChatEvent] = attrs.Factory(list)
+
+    @property
+    def model(self) -> str:
+        return self.wreq.model
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.wreq.stream)
+
+    def chat_request(self, request_id: str) -> ChatRequest:
+        self._creq, self._tool_map = codec.to_chat_request(self.wreq, self.history, request_id=request_id)
+        return self._creq
+
+    def stream(self, prepared: Prepared) -> ResponseStream:
+        assert self._tool_map is not None
+        return ResponseStream(self.wreq, self._tool_map, response_id=self.response_id)
+
+    def body(self, events: Sequence[ChatEvent], prepared: Prepared) -> dict[str, Any]:
+        stream = self.stream(prepared)
+        for event in events:
+            stream.feed(event)
+        assert stream.final is not None
+        return stream.final
+
+    def observe(self, event: ChatEvent) -> None:
+        self._seen.append(event)
+        if isinstance(event, TurnFinished) and self._creq is not None:
+            turn = support.assistant_message(self._seen)
+            self.ctx.remember(self.response_id, (*self._creq.conversation.messages, turn))
+
+
+def _begin(ctx: support.HttpContext, body: Any) -> ResponsesExchange:
+    wreq = codec.parse(body)
     history: tuple[Message, ...] = ()
     if wreq.previous_response_id:
         if wreq.previous_response_id not in ctx.responses:
@@ -29,27 +73,13 @@ async def create_response(request: Request[Any, Any, Any]) -> Response[Any]:
                 param="previous_response_id",
             )
         history = ctx.responses[wreq.previous_response_id]
-    request_id = new_id("")
-    creq, tool_map = codec.to_chat_request(wreq, history, request_id=request_id)
-    record = support.RequestLog("openai_responses", request.url.path, wreq.model, bool(wreq.stream), request_id)
-    job = support.submit(ctx, creq)
-    await support.first(job)
-    stream = ResponseStream(wreq, tool_map, response_id=new_id("resp_"))
-    seen: list[ChatEvent] = []
+    return ResponsesExchange(ctx, wreq, history)
 
-    def remember(event: ChatEvent) -> None:
-        seen.append(event)
-        if isinstance(event, TurnFinished):
-            turn = support.assistant_message(seen)
-            ctx.remember(stream.response_id, (*creq.conversation.messages, turn))
 
-    if wreq.stream:
-        return support.sse_response(ctx, job, stream, record, on_event=remember)
-    for event in await support.collect(request, job, record):
-        remember(event)
-        stream.feed(event)
-    record.emit(200)
-    return Response(content=stream.final, status_code=200)
+@post(["/v1/responses", "/responses"], status_code=200)
+async def create_response(request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+    """Create a response, streamed (sequence-numbered events, closed after response.completed) or whole."""
+    return await driver.drive(request, DIALECT, _begin)
 
 
 def router() -> Router:
@@ -57,7 +87,5 @@ def router() -> Router:
         path="/",
         route_handlers=[create_response],
         guards=[support.api_key_guard],
-        exception_handlers={
-            Exception: support.error_handler("openai_responses", errors.from_exception, errors.envelope)
-        },
+        exception_handlers={Exception: support.error_handler(DIALECT.name, DIALECT.from_exception, DIALECT.envelope)},
     )

@@ -9,7 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_dspark.adapters.api import common
-from mlx_dspark.domain.errors import CapacityExceeded, ContextTooLong, DomainError, InvalidRequest, ModelUnavailable
+from mlx_dspark.domain.errors import (
+    CapacityExceeded,
+    ContextTooLong,
+    DomainError,
+    InvalidRequest,
+    ModelUnavailable,
+    Overloaded,
+)
 
 envelope = common.openai_envelope
 
@@ -29,6 +36,8 @@ def from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 400, envelope(400, exc.message, param=exc.param)
     if isinstance(exc, ModelUnavailable):
         return 404, envelope(404, exc.message, param="model", code="model_not_found")
+    if isinstance(exc, Overloaded):
+        return 429, envelope(429, exc.message, code="rate_limit_exceeded")
     if isinstance(exc, CapacityExceeded):
         return 503, envelope(503, exc.message, code="server_overloaded")
     if isinstance(exc, DomainError):

@@ -8,7 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_dspark.adapters.api import common
-from mlx_dspark.domain.errors import CapacityExceeded, ContextTooLong, DomainError, InvalidRequest, ModelUnavailable
+from mlx_dspark.domain.errors import (
+    CapacityExceeded,
+    ContextTooLong,
+    DomainError,
+    InvalidRequest,
+    ModelUnavailable,
+    Overloaded,
+)
 
 envelope = common.openai_envelope
 
@@ -25,6 +32,8 @@ def classify(exc: BaseException) -> tuple[int, str, str | None, str | None]:
         return 400, exc.message, exc.param, None
     if isinstance(exc, ModelUnavailable):
         return 404, exc.message, "model", "model_not_found"
+    if isinstance(exc, Overloaded):
+        return 429, exc.message, None, "rate_limit_exceeded"
     if isinstance(exc, CapacityExceeded):
         return 503, exc.message, None, "server_is_overloaded"
     if isinstance(exc, DomainError):

@@ -1,0 +1,200 @@
+"""The one route driver: parse → check model → convert → submit → stream or collect, for every dialect.
+
+A dialect supplies a `Dialect` (its name and error envelopes) and, per request, an `Exchange`: the parsed
+request and how to frame the answer (SSE stream or whole body). Everything else — the engine job, keep-alives,
+cancellation on disconnect, the canonical log line — happens here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import structlog
+from litestar import Request, Response
+from litestar.response import Stream
+
+from mlx_dspark.application.chat_service import ChatItem, Prepared, Report
+from mlx_dspark.application.engine import EngineJob
+from mlx_dspark.domain.chat import ChatEvent, ChatRequest
+from mlx_dspark.entrypoints.http.request_log import RequestLog
+from mlx_dspark.entrypoints.http.support import HttpContext, context, read_json
+
+log = structlog.get_logger("mlx_dspark.http")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@attrs.frozen
+class Dialect:
+    """An API dialect as the driver sees it: its name and how it words errors."""
+
+    name: str
+    from_exception: Callable[[BaseException], tuple[int, dict[str, Any]]]
+    envelope: Callable[[int, str], dict[str, Any]]
+
+
+class DialectStream(Protocol):
+    """A dialect's SSE state machine for one response (adapters/api/*/stream.py)."""
+
+    done: bool
+
+    def start(self) -> list[bytes]: ...
+
+    def keepalive(self) -> bytes: ...
+
+    def feed(self, event: ChatEvent) -> list[bytes]: ...
+
+    def error(self, exc: BaseException) -> list[bytes]: ...
+
+
+class Exchange(Protocol):
+    """One parsed request of a dialect, and how its answer is framed."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def streaming(self) -> bool: ...
+
+    def chat_request(self, request_id: str) -> ChatRequest: ...
+
+    def stream(self, prepared: Prepared) -> DialectStream: ...
+
+    def body(self, events: Sequence[ChatEvent], prepared: Prepared) -> dict[str, Any]: ...
+
+    def observe(self, event: ChatEvent) -> None:
+        """Sees every event before it is framed (Responses remembers turns for previous_response_id)."""
+
+
+Begin = Callable[[HttpContext, Any], Exchange]
+
+
+async def drive(request: Request[Any, Any, Any], dialect: Dialect, begin: Begin) -> Response[Any] | Stream:
+    """Answer one generation request of `dialect`; errors propagate to the dialect's exception handler."""
+    ctx = context(request)
+    record = RequestLog.of(request, dialect.name)
+    exchange = begin(ctx, await read_json(request))
+    record.model, record.stream = exchange.model, exchange.streaming
+    ctx.check_model(exchange.model)
+    job = ctx.engine.submit(_chat_work(ctx, exchange.chat_request(record.request_id)))
+    prepared = await first(job, record)
+    if exchange.streaming:
+        return sse_response(ctx, dialect, job, exchange, exchange.stream(prepared), record)
+    events = await collect(request, job, record)
+    for event in events:
+        exchange.observe(event)
+    body = exchange.body(events, prepared)
+    record.emit(200)
+    return Response(content=body, status_code=200)
+
+
+async def count(
+    request: Request[Any, Any, Any], dialect: Dialect, parse: Callable[[Any], tuple[str, ChatRequest]]
+) -> int:
+    """Prompt tokens of a request through the real template and tokenizer, counted on the engine thread."""
+    ctx = context(request)
+    record = RequestLog.of(request, dialect.name)
+    record.model, creq = parse(await read_json(request))
+    ctx.check_model(record.model)
+    chat = ctx.chat
+    job: EngineJob[int] = ctx.engine.submit(lambda generator: iter([chat.count_tokens(generator, creq)]), quick=True)
+    try:
+        n = await job.next()
+    finally:
+        job.cancel()
+    record.fields["prompt_tokens"] = n
+    record.emit(200)
+    return n
+
+
+def _chat_work(ctx: HttpContext, creq: ChatRequest) -> Callable[[Any], Any]:
+    chat = ctx.chat
+    return lambda generator: chat.stream(generator, creq)
+
+
+async def first(job: EngineJob[ChatItem], record: RequestLog) -> Prepared:
+    """Wait for the turn to be prepared; errors (context overflow, template) surface here as exceptions."""
+    try:
+        item = await job.next()
+    except BaseException:
+        job.cancel()
+        raise
+    if not isinstance(item, Prepared):  # pragma: no cover - ChatService always starts with Prepared
+        job.cancel()
+        raise RuntimeError("the chat service did not start with Prepared")
+    record.observe(item)
+    return item
+
+
+def sse_response(
+    ctx: HttpContext,
+    dialect: Dialect,
+    job: EngineJob[ChatItem],
+    exchange: Exchange,
+    stream: DialectStream,
+    record: RequestLog,
+) -> Stream:
+    """Stream a prepared job as SSE; keep-alives while the engine is silent; a disconnect cancels the job."""
+    keepalive_s = ctx.settings.server.keepalive_s
+
+    async def frames() -> AsyncIterator[bytes]:
+        outcome = "completed"
+        try:
+            for f in stream.start():
+                yield f
+            while not stream.done:
+                try:
+                    item = await job.next(timeout=keepalive_s)
+                except TimeoutError:
+                    yield stream.keepalive()
+                    continue
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    outcome = "failed"
+                    record.failed(exc, dialect.from_exception(exc)[0])
+                    log.error("http.stream_failed", request_id=record.request_id, error=repr(exc), exc_info=exc)
+                    for f in stream.error(exc):
+                        yield f
+                    break
+                if isinstance(item, Prepared | Report):
+                    record.observe(item)
+                    continue
+                exchange.observe(item)
+                record.observe(item)
+                for f in stream.feed(item):
+                    yield f
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            job.cancel()
+            record.emit(200, outcome=outcome)
+
+    return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def collect(request: Request[Any, Any, Any], job: EngineJob[ChatItem], record: RequestLog) -> list[ChatEvent]:
+    """All events of a non-streaming job; the job is cancelled if the client goes away meanwhile."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                job.cancel()
+                record.fields["outcome"] = "cancelled"
+                return
+
+    watcher = asyncio.create_task(watch())
+    events: list[ChatEvent] = []
+    try:
+        async for item in job:
+            record.observe(item)
+            if not isinstance(item, Prepared | Report):
+                events.append(item)
+    finally:
+        watcher.cancel()
+        job.cancel()
+    return events
