@@ -143,3 +143,55 @@ def test_a_target_shared_by_two_generators_is_never_reused_stale():
     assert again.cached_prompt_tokens == 0
     fresh, _, _ = make()
     assert again.token_ids == collect(fresh, GenerationRequest(prompt=follow_up, max_tokens=6))[1].token_ids
+
+
+def _finished(telemetry):
+    return [e for _, e in telemetry.events if type(e).__name__ == "Finished"]
+
+
+def test_a_stop_string_finish_reports_its_real_rounds_and_only_the_ids_up_to_the_stop():
+    gen, target, telemetry = make()  # drafts of 4, right on the first two slots: several tokens per round
+    tok = CharTokenizer()
+    full_ids = target.greedy_continuation(tok.encode("abc"), 40)
+    full = tok.decode(full_ids)
+    stop = full[10:12]
+    end = full.index(stop) + len(stop)  # one char per token: the stop completes at token `end`
+    text, res = collect(gen, GenerationRequest(prompt="abc", max_tokens=40, stop=(stop,)))
+    assert text == full[: full.index(stop)]
+    assert res.token_ids == tuple(full_ids[:end]) and res.generated_tokens == end
+    rounds = [e for _, e in telemetry.events if type(e).__name__ == "RoundFinished"]
+    assert res.rounds == len(rounds) > 0  # the rounds that really ran, not zero
+    assert res.drafted == sum(r.drafted for r in rounds) > 0
+    assert res.accepted == sum(r.accepted for r in rounds) > 0
+    assert res.prefill_s > 0 and res.decode_s > 0 and sum(res.cap_histogram.values()) == res.rounds
+    (finished,) = _finished(telemetry)  # one Finished, with the same numbers
+    assert finished.reason.value == "stop_sequence" and finished.stop_sequence == stop
+    assert finished.usage.generated_tokens == end and finished.usage.rounds == res.rounds
+
+
+def test_a_stop_string_in_the_first_token_ends_after_prefill():
+    gen, target, _ = make()
+    tok = CharTokenizer()
+    first = tok.decode(target.greedy_continuation(tok.encode("abc"), 1))
+    text, res = collect(gen, GenerationRequest(prompt="abc", max_tokens=40, stop=(first,)))
+    assert text == "" and res.finish_reason == "stop_sequence" and res.generated_tokens == 1 and res.rounds == 0
+
+
+def test_text_deltas_carry_only_the_ids_up_to_the_stop():
+    gen, target, _ = make()
+    tok = CharTokenizer()
+    full = tok.decode(target.greedy_continuation(tok.encode("abc"), 40))
+    stop = full[10:12]
+    ids = [i for ev in gen.stream(GenerationRequest(prompt="abc", max_tokens=40, stop=(stop,)))
+           if isinstance(ev, TextDelta) for i in ev.token_ids]
+    assert tok.decode(ids) == full[: full.index(stop) + len(stop)]
+
+
+def test_cached_tokens_never_exceed_the_prompt_even_for_a_repeated_prompt_with_a_stop():
+    gen, target, _ = make()
+    tok = CharTokenizer()
+    full = tok.decode(target.greedy_continuation(tok.encode("abcdef"), 20))
+    req = GenerationRequest(prompt="abcdef", max_tokens=20, stop=(full[5:7],))
+    collect(gen, req)
+    _, again = collect(gen, req)
+    assert 0 < again.cached_prompt_tokens <= again.prompt_tokens == 6
