@@ -60,7 +60,7 @@ def _fallback_handler() -> Any:
     )
 
     def handle(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-        path = request.url.path
+        path = request.scope["path"]
         if path.startswith(("/v1/messages", "/messages")) or "anthropic-version" in request.headers:
             return anthropic(request, exc)
         return openai(request, exc)

@@ -40,7 +40,7 @@ class RequestLog:
         if record is None:
             from mlx_dspark.adapters.api.common import new_id
 
-            record = cls(dialect=dialect, path=request.url.path, request_id=new_id(""))
+            record = cls(dialect=dialect, path=request.scope["path"], request_id=new_id(""))
             request.state[_STATE_KEY] = record
         return record
 

@@ -124,7 +124,7 @@ def error_handler(
             status, body = from_exception(exc)
         if status >= 500:
             # The traceback carries no local variables (log_config), so no key and no body reach the log.
-            log.error("http.error", dialect=dialect, path=request.url.path, error=repr(exc)[:300], exc_info=exc)
+            log.error("http.error", dialect=dialect, path=request.scope["path"], error=repr(exc)[:300], exc_info=exc)
         record = RequestLog.of(request, dialect)
         record.failed(exc, status)
         record.emit(status)

@@ -349,3 +349,11 @@ def test_count_tokens_runs_on_the_engine_thread_between_two_tokens(live: LiveSer
     threads = {name for name, _ in seen}
     assert threads == {"mlx-dspark-engine"}
     assert seen[0][1] < 2000  # counted mid-generation: it did not wait for the 2000-token reply
+
+
+@pytest.mark.parametrize("host", ["::", ":", "a:", "x:y:z", "[::1", "h:99999999999"])
+def test_a_malformed_host_header_is_never_a_500(live: LiveServer, host: str) -> None:
+    """Found by the fuzz tier: building the request URL from such a Host raised inside the error handler."""
+    for path in ("/v1/chat/completions", "/v1/nope"):
+        r = _send(live, path, BODIES["/v1/chat/completions"], host=host)
+        assert r.status_code < 500, (host, r.text)
