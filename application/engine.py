@@ -164,6 +164,8 @@ class EngineThread:
             return f"the model failed to load: {self.load_error}"
         if not self._ready.is_set():
             return "the model is still loading"
+        if self._stopping:
+            return "the server is shutting down"
         return "the inference engine is not running"
 
     # ---- jobs ---------------------------------------------------------------------------------------------
@@ -219,6 +221,9 @@ class EngineThread:
                     return
                 if job is not _WAKE:
                     self._taken()
+                    if self._stopping:  # queued before stop(): answered, not run
+                        job._push(_ERROR, EngineDown(message=self._down_message()))
+                        continue
                     self._run(job, self._generator)
                 self._run_quick(self._generator)
         finally:
@@ -231,6 +236,9 @@ class EngineThread:
             except queue.Empty:
                 return
             self._taken()
+            if self._stopping:
+                job._push(_ERROR, EngineDown(message=self._down_message()))
+                continue
             self._run(job, generator, between=False)
 
     def _run(self, job: EngineJob[Any], generator: GenerationService, *, between: bool = True) -> None:

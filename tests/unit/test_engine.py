@@ -1,0 +1,110 @@
+"""The engine thread: a bounded queue, a quick lane between two items, and no caller left waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from mlx_dspark.application.engine import Engine, EngineDown
+from mlx_dspark.domain.errors import Overloaded
+
+
+def _engine(max_queue: int = 2) -> Engine:
+    loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline")  # what the engine reads
+    engine = Engine(lambda: loaded, max_queue=max_queue)  # type: ignore[arg-type, return-value]
+    engine.start()
+    assert engine.wait_ready(5)
+    return engine
+
+
+def _held(gate: threading.Event, started: threading.Event, log: list[str], n: int = 3) -> Any:
+    def work(_: object) -> Iterator[int]:
+        for i in range(n):
+            if i == 1:
+                started.set()
+                gate.wait(10)
+            log.append(f"item{i}")
+            yield i
+
+    return work
+
+
+def test_a_quick_job_runs_between_two_items_of_the_running_job() -> None:
+    async def main() -> list[str]:
+        engine = _engine()
+        gate, started, log = threading.Event(), threading.Event(), []
+        long = engine.submit(_held(gate, started, log))
+        await asyncio.to_thread(started.wait, 10)
+
+        def count(_: object) -> Iterator[str]:
+            log.append(f"count on {threading.current_thread().name}")
+            yield "n"
+
+        quick = engine.submit(count, quick=True)
+        gate.set()
+        assert await quick.next() == "n"
+        assert [i async for i in long] == [0, 1, 2]
+        engine.stop(5)
+        return log
+
+    log = asyncio.run(main())
+    assert log == ["item0", "item1", "count on mlx-dspark-engine", "item2"]
+
+
+def test_past_the_bound_a_submit_is_overloaded_and_the_queue_recovers() -> None:
+    async def main() -> None:
+        engine = _engine(max_queue=2)
+        gate, started, log = threading.Event(), threading.Event(), []
+        running = engine.submit(_held(gate, started, log))
+        await asyncio.to_thread(started.wait, 10)
+        waiting = [engine.submit(lambda _: iter([1])), engine.submit(lambda _: iter([2]), quick=True)]
+        assert engine.waiting == 2
+        with pytest.raises(Overloaded, match="try again"):
+            engine.submit(lambda _: iter([3]))
+        gate.set()
+        assert [i async for i in running] == [0, 1, 2]
+        assert [await job.next() for job in waiting] == [1, 2]
+        assert engine.waiting == 0
+        assert await engine.submit(lambda _: iter([4])).next() == 4  # room again
+        engine.stop(5)
+
+    asyncio.run(main())
+
+
+def test_a_failing_quick_job_reports_its_error_and_the_engine_goes_on() -> None:
+    async def main() -> None:
+        engine = _engine()
+
+        def broken(_: object) -> Iterator[int]:
+            raise ValueError("bad template")
+            yield 0
+
+        with pytest.raises(ValueError, match="bad template"):
+            await engine.submit(broken, quick=True).next()
+        assert engine.alive and await engine.submit(lambda _: iter([5])).next() == 5
+        engine.stop(5)
+
+    asyncio.run(main())
+
+
+def test_stopping_answers_every_queued_job_in_both_lanes() -> None:
+    async def main() -> None:
+        engine = _engine(max_queue=4)
+        gate, started, log = threading.Event(), threading.Event(), []
+        engine.submit(_held(gate, started, log))
+        await asyncio.to_thread(started.wait, 10)
+        queued = [engine.submit(lambda _: iter([1])), engine.submit(lambda _: iter([2]), quick=True)]
+        stopper = threading.Thread(target=engine.stop, args=(5,))
+        stopper.start()
+        gate.set()
+        await asyncio.to_thread(stopper.join, 10)
+        for job in queued:  # dropped with an answer, never run and never left waiting
+            with pytest.raises(EngineDown, match="shutting down"):
+                await asyncio.wait_for(job.next(), 5)
+
+    asyncio.run(main())
