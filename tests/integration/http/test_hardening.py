@@ -211,6 +211,10 @@ def test_a_500_logs_its_traceback_but_no_key_and_no_body(keyed: LiveServer, json
         text = logs.text
         assert "RuntimeError" in text and "_boom" in text  # the traceback is there …
         assert PLANTED_KEY not in text and PLANTED_BODY not in text  # … without locals: no key, no body
+        if json_logs:  # and each failed request has its one canonical line, saying how it failed
+            failed = logs.requests(outcome="failed", error_type="RuntimeError")
+            assert sorted((e["stream"], e["status"]) for e in failed) == [(False, 500)] * 3 + [(True, 200)] * 3
+            assert all("error" not in e for e in failed)  # a 5xx's message is not ours to log
     finally:
         keyed.script(scripts.text)
         restore_logging()
