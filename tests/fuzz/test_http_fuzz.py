@@ -75,11 +75,11 @@ def client(server: LiveServer) -> Iterator[httpx.Client]:
 
 
 def _frames(text: str) -> list[tuple[str | None, str]]:
-    """(event name, data) of each SSE frame."""
+    """(event name, data) of each SSE frame (lines end at \\n only, as SSE says: not at U+0085 or U+2028)."""
     out = []
     for block in text.split("\n\n"):
         event, data = None, []
-        for line in block.splitlines():
+        for line in block.split("\n"):
             if line.startswith("event: "):
                 event = line[7:]
             elif line.startswith("data: "):
