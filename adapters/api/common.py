@@ -6,6 +6,7 @@ Dialects may import this module but never each other.
 from __future__ import annotations
 
 import json
+import re
 import typing
 import uuid
 from collections.abc import Callable, Mapping
@@ -145,7 +146,30 @@ def parse_json_body(raw: bytes) -> Any:
         raise InvalidRequest(message=f"the request body is not valid JSON: {exc}") from exc
     if _depth(value) > MAX_JSON_DEPTH:
         raise too_deep
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(value):
+        # Valid JSON, but no tokenizer can encode it (it is not Unicode text).
+        raise InvalidRequest(message="the request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
     return value
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _depth(value: Any) -> int:

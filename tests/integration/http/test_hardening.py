@@ -141,6 +141,17 @@ def test_deeply_nested_bodies_are_400_in_the_dialects_envelope(live: LiveServer,
     assert "nested deeper" in str(_error(path, r)["message"])
 
 
+@pytest.mark.parametrize("path", list(BODIES))
+def test_an_unpaired_surrogate_escape_is_400_a_pair_is_text(live: LiveServer, path: str) -> None:
+    """Valid JSON but not text: a real tokenizer raises TypeError on it (was a 500)."""
+    body = json.dumps(BODIES[path])
+    lone = body.replace('"hi"', '"hi \\ud800"').encode()
+    r = _send(live, path, lone)
+    assert r.status_code == 400 and "surrogate" in str(_error(path, r)["message"])
+    pair = body.replace('"hi"', '"hi \\ud83d\\ude00"').encode()  # an emoji, escaped
+    assert _send(live, path, pair).status_code == 200
+
+
 def test_nesting_within_the_limit_goes_all_the_way_through(live: LiveServer) -> None:
     """A deep (but allowed) tool schema is rendered by the template and answered, not a 500."""
     schema: dict[str, object] = {"type": "string"}
