@@ -57,6 +57,7 @@ class RequestLog:
             r = item.result
             self.fields.update(
                 mode=r.mode,
+                source=r.source,
                 rounds=r.rounds,
                 drafted=r.drafted,
                 accepted=r.accepted,

@@ -13,7 +13,7 @@ from mlx_dspark.adapters.api.common import new_id
 from mlx_dspark.adapters.api.openai_responses import codec, errors, wire
 from mlx_dspark.adapters.api.openai_responses.stream import ResponseStream
 from mlx_dspark.application.chat_service import Prepared
-from mlx_dspark.domain.chat import ChatEvent, ChatRequest, TurnFinished, Message
+from mlx_dspark.domain.chat import ChatEvent, ChatRequest, Message, TurnFinished
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.entrypoints.http import driver, support
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from mlx_dspark.application.engine import Engine, EngineDown
+from mlx_dspark.application.engine import EngineThread, EngineDown
 from mlx_dspark.domain.errors import Overloaded
 
 
-def _engine(max_queue: int = 2) -> Engine:
+def _engine(max_queue: int = 2) -> EngineThread:
     loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline")  # what the engine reads
-    engine = Engine(lambda: loaded, max_queue=max_queue)  # type: ignore[arg-type, return-value]
+    engine = EngineThread(lambda: loaded, max_queue=max_queue)  # type: ignore[arg-type, return-value]
     engine.start()
     assert engine.wait_ready(5)
     return engine

@@ -183,7 +183,7 @@ def test_text_deltas_carry_only_the_ids_up_to_the_stop():
     full = tok.decode(target.greedy_continuation(tok.encode("abc"), 40))
     stop = full[10:12]
     ids = [i for ev in gen.stream(GenerationRequest(prompt="abc", max_tokens=40, stop=(stop,)))
-           if isinstance(ev, TextDelta) for i in ev.token_ids]
+           if isinstance(ev, TextChunk) for i in ev.token_ids]
     assert tok.decode(ids) == full[: full.index(stop) + len(stop)]
 
 

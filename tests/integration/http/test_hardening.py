@@ -251,7 +251,8 @@ def test_one_canonical_line_per_request_with_the_turns_numbers(live: LiveServer,
     for e in turns:
         assert e["mode"] == "baseline" and e["model"] == "local-model" and isinstance(e["stream"], bool)
         assert e["prompt_tokens"] > 0 and 0 <= e["cached_prompt_tokens"] <= e["prompt_tokens"]
-        assert e["completion_tokens"] == reply_tokens and e["finish_reason"] == "end_turn"
+        assert e["completion_tokens"] == reply_tokens and e["finish_reason"] == "stop"
+        assert e["source"] == "baseline"
         assert e["rounds"] == reply_tokens  # plain decoding: one token per round after prefill's, then EOS
         assert e["drafted"] == 0 and e["acceptance"] is None and e["cap_histogram"] == {"0": e["rounds"]}
         assert e["prefill_ms"] > 0 and e["decode_ms"] > 0
