@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mlx_dspark.application.engine import EngineThread, EngineDown
+from mlx_dspark.application.engine import EngineDown, EngineThread
 from mlx_dspark.domain.errors import Overloaded
 
 
