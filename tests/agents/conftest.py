@@ -1,0 +1,189 @@
+"""The real coding agents (npm, pinned by dev.sh) against the real server, run headless through our launchers.
+
+`./dev.sh test` installs Node, Claude Code, Codex and Pi into a cache and exports MLX_DSPARK_AGENTS (their
+bin folder); then a missing binary fails the tier. Without it the default cache is tried, and the tier is
+skipped with the reason (dev.sh prints a loud banner when npm is unreachable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from mlx_dspark.application import bootstrap
+from mlx_dspark.application.settings import load_settings
+from mlx_dspark.entrypoints.http.app import create_app
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.fakes.scripted import ScriptedLoader
+from tests.fakes.tokenizer import FakeTokenizer
+from tests.integration.http.conftest import _serve
+
+AGENTS = ("claude", "codex", "pi")
+RUN_TIMEOUT_S = 180  # a hang fails the test instead of the suite
+DEFAULT_BIN = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-dspark" / "agents" / "bin"
+
+# ChatML with no tool support, the shape of the default model's (SmolLM2) template: the family layer
+# picks the Hermes text fallback for it, exactly as it does for the real default model.
+CHATML_NO_TOOLS = """
+{%- for m in messages -%}
+{%- if loop.first and m.role != 'system' -%}
+<|im_start|>system
+You are a small helpful assistant.<|im_end|>
+{% endif -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% endif -%}
+"""
+
+ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+
+def agents_bin() -> Path:
+    """The folder holding node, claude, codex and pi; skips (or fails, under dev.sh) when absent."""
+    required = os.environ.get("MLX_DSPARK_AGENTS")
+    folder = Path(required) if required else DEFAULT_BIN
+    missing = [name for name in ("node", *AGENTS) if not (folder / name).exists()]
+    if missing and required:
+        pytest.fail(f"dev.sh installed the agents into {folder}, but {', '.join(missing)} is missing")
+    if missing:
+        why = os.environ.get("MLX_DSPARK_AGENTS_SKIP") or "not installed (`./dev.sh agents` installs them)"
+        pytest.skip(f"real-agent tier: {why}")
+    return folder
+
+
+@attrs.define
+class Recorded:
+    path: str
+    body: Any
+
+
+class RecordingApp:
+    """ASGI wrapper that keeps every POST body the server received, in order."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.requests: list[Recorded] = []
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+
+        async def recording_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    try:
+                        body = json.loads(b"".join(chunks))
+                    except ValueError:
+                        body = None
+                    self.requests.append(Recorded(path=scope["path"], body=body))
+            return message
+
+        await self.app(scope, recording_receive, send)
+
+
+@attrs.define
+class ScriptedServer:
+    base_url: str
+    port: int
+    loader: ScriptedLoader
+    recorder: RecordingApp
+
+    def script(self, responder: Callable[[str], str]) -> None:
+        self.loader.target.responder = responder
+        self.recorder.requests.clear()
+
+
+@pytest.fixture(scope="session")
+def scripted_server() -> Iterator[ScriptedServer]:
+    """The real app (real uvicorn, loopback) over a scripted model of the default model's family."""
+    loader = ScriptedLoader(
+        name="local-model",
+        context_window=400_000,  # one token per character: Claude Code's first prompt is ~50k characters
+        tokenizer=FakeTokenizer(CHATML_NO_TOOLS),
+        family="llama",
+    )
+    settings = load_settings({"mode": "baseline"}, environ={})
+    services = bootstrap.build(
+        settings, loader=loader, telemetry=RecordingTelemetrySink(), clock=FakeClock(), calibration=object()
+    )
+    recorder = RecordingApp(create_app(services, settings))  # type: ignore[arg-type]
+    for base, _ in _serve(recorder):
+        yield ScriptedServer(base_url=base, port=int(base.rsplit(":", 1)[1]), loader=loader, recorder=recorder)
+
+
+@attrs.frozen
+class AgentRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_launcher(
+    client: str,
+    launcher_args: list[str],
+    agent_args: list[str],
+    *,
+    workspace: Path,
+    home: Path,
+    timeout: float = RUN_TIMEOUT_S,
+) -> AgentRun:
+    """`mlx-dspark CLIENT LAUNCHER_ARGS -- AGENT_ARGS` in `workspace`, with a fresh HOME and stdin closed."""
+    folder = agents_bin()
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        "PATH": os.pathsep.join([str(folder), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+        "HOME": str(home),
+        "TERM": "dumb",
+        "LANG": "C.UTF-8",
+        "NO_COLOR": "1",
+    }
+    cmd = [sys.executable, "-m", "mlx_dspark.entrypoints", client, *launcher_args, "--", *agent_args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=workspace,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # on a hang the whole group goes: the launcher, the agent, its tools
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{client} did not finish in {timeout:.0f} s\nstdout: {out}\nstderr: {err}")
+    return AgentRun(proc.returncode, out, err)
+
+
+OFFERED = re.compile(r'"name": "([A-Za-z0-9_.\-]+)"')
+TOOLS_BLOCK = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+
+
+def offered_tools(prompt: str) -> set[str]:
+    """Tool names the Hermes fallback listed in the system prompt (inside <tools>…</tools>)."""
+    return {name for block in TOOLS_BLOCK.findall(prompt) for name in OFFERED.findall(block)}
+
+
+def hermes_call(name: str, arguments: dict[str, Any]) -> str:
+    """One tool call the way the default model's family writes it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
