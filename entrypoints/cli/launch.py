@@ -158,7 +158,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], base: str, log_path: str, timeout
         time.sleep(0.25)
 
 
-def _materialize(plan: LaunchPlan, tmp: str) -> tuple[list[str], dict[str, str]]:
+def materialize(plan: LaunchPlan, tmp: str) -> tuple[list[str], dict[str, str]]:
     for rel, content in plan.files.items():
         path = os.path.join(tmp, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -247,7 +247,7 @@ def main(client: str, argv: Sequence[str]) -> int:
             return 0
         progress_line(f"{client} gets model {model} with a context window of {window} tokens")
         with tempfile.TemporaryDirectory(prefix=f"mlx-dspark-{client}-") as tmp:
-            child_argv, env = _materialize(plan, tmp)
+            child_argv, env = materialize(plan, tmp)
             try:
                 with _agent_signals():
                     return subprocess.call(child_argv, env=env)

@@ -68,10 +68,12 @@ def agents_bin() -> Path:
 class Recorded:
     path: str
     body: Any
+    status: int = 0  # the response status, once sent
+    error: bytes = b""  # the body of an error response
 
 
 class RecordingApp:
-    """ASGI wrapper that keeps every POST body the server received, in order."""
+    """ASGI wrapper that keeps every POST body the server received, in order, with its response status."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -82,6 +84,8 @@ class RecordingApp:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
+        record = Recorded(path=scope["path"], body=None)
+        self.requests.append(record)
 
         async def recording_receive() -> Any:
             message = await receive()
@@ -89,13 +93,19 @@ class RecordingApp:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
                     try:
-                        body = json.loads(b"".join(chunks))
+                        record.body = json.loads(b"".join(chunks))
                     except ValueError:
-                        body = None
-                    self.requests.append(Recorded(path=scope["path"], body=body))
+                        record.body = None
             return message
 
-        await self.app(scope, recording_receive, send)
+        async def recording_send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            elif message["type"] == "http.response.body" and record.status >= 400:
+                record.error += message.get("body", b"")
+            await send(message)
+
+        await self.app(scope, recording_receive, recording_send)
 
 
 @attrs.define
@@ -110,22 +120,24 @@ class ScriptedServer:
         self.recorder.requests.clear()
 
 
-@pytest.fixture(scope="session")
-def scripted_server() -> Iterator[ScriptedServer]:
+def serve_scripted(context_window: int, **flags: object) -> Iterator[ScriptedServer]:
     """The real app (real uvicorn, loopback) over a scripted model of the default model's family."""
     loader = ScriptedLoader(
-        name="local-model",
-        context_window=400_000,  # one token per character: Claude Code's first prompt is ~50k characters
-        tokenizer=FakeTokenizer(CHATML_NO_TOOLS),
-        family="llama",
+        name="local-model", context_window=context_window, tokenizer=FakeTokenizer(CHATML_NO_TOOLS), family="llama"
     )
-    settings = load_settings({"mode": "baseline"}, environ={})
+    settings = load_settings({"mode": "baseline", **flags}, environ={})
     services = bootstrap.build(
         settings, loader=loader, telemetry=RecordingTelemetrySink(), clock=FakeClock(), calibration=object()
     )
     recorder = RecordingApp(create_app(services, settings))  # type: ignore[arg-type]
     for base, _ in _serve(recorder):
         yield ScriptedServer(base_url=base, port=int(base.rsplit(":", 1)[1]), loader=loader, recorder=recorder)
+
+
+@pytest.fixture(scope="session")
+def scripted_server() -> Iterator[ScriptedServer]:
+    # One token per character: Claude Code's first prompt is ~50k characters.
+    yield from serve_scripted(400_000)
 
 
 @attrs.frozen
@@ -145,16 +157,27 @@ def run_launcher(
     timeout: float = RUN_TIMEOUT_S,
 ) -> AgentRun:
     """`mlx-dspark CLIENT LAUNCHER_ARGS -- AGENT_ARGS` in `workspace`, with a fresh HOME and stdin closed."""
-    folder = agents_bin()
+    cmd = [sys.executable, "-m", "mlx_dspark.entrypoints", client, *launcher_args, "--", *agent_args]
+    return run_isolated(cmd, workspace=workspace, home=home, timeout=timeout)
+
+
+def isolated_env(home: Path) -> dict[str, str]:
+    """A minimal environment: the agents' bin folder first on PATH, a fresh HOME, no colours."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {
-        "PATH": os.pathsep.join([str(folder), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+    return {
+        "PATH": os.pathsep.join([str(agents_bin()), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
         "HOME": str(home),
         "TERM": "dumb",
         "LANG": "C.UTF-8",
         "NO_COLOR": "1",
     }
-    cmd = [sys.executable, "-m", "mlx_dspark.entrypoints", client, *launcher_args, "--", *agent_args]
+
+
+def run_isolated(
+    cmd: list[str], *, workspace: Path, home: Path, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S
+) -> AgentRun:
+    """Run `cmd` in its own process group (a hang kills the group and fails the test)."""
+    env = env or isolated_env(home)
     proc = subprocess.Popen(
         cmd,
         cwd=workspace,
@@ -170,7 +193,7 @@ def run_launcher(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{client} did not finish in {timeout:.0f} s\nstdout: {out}\nstderr: {err}")
+        pytest.fail(f"{cmd[:4]} did not finish in {timeout:.0f} s\nstdout: {out}\nstderr: {err}")
     return AgentRun(proc.returncode, out, err)
 
 
@@ -186,4 +209,3 @@ def offered_tools(prompt: str) -> set[str]:
 def hermes_call(name: str, arguments: dict[str, Any]) -> str:
     """One tool call the way the default model's family writes it."""
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
