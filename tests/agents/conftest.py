@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
@@ -49,6 +50,12 @@ You are a small helpful assistant.<|im_end|>
 """
 
 ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def agents_bin() -> Path:
@@ -198,6 +205,7 @@ def run_isolated(
 
 
 OFFERED = re.compile(r'"name": "([A-Za-z0-9_.\-]+)"')
+CLAUDE_OVERFLOW = re.compile(r"prompt is too long: (\d+) tokens > \d+ maximum")  # the message Claude Code parses
 TOOLS_BLOCK = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 
 
@@ -209,3 +217,14 @@ def offered_tools(prompt: str) -> set[str]:
 def hermes_call(name: str, arguments: dict[str, Any]) -> str:
     """One tool call the way the default model's family writes it."""
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def pi_final_message(stdout: str) -> dict[str, Any]:
+    """The last assistant message of a `pi --mode json` run."""
+    messages = [
+        event["message"]
+        for event in map(json.loads, filter(None, stdout.splitlines()))
+        if event.get("type") == "message_end" and event.get("message", {}).get("role") == "assistant"
+    ]
+    assert messages, stdout[-2000:]
+    return messages[-1]

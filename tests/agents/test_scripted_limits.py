@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +21,11 @@ import pytest
 from mlx_dspark.application.launchers import Target, claude_plan
 from mlx_dspark.entrypoints.cli.launch import materialize
 from tests.agents.conftest import (
+    CLAUDE_OVERFLOW,
     ScriptedServer,
     agents_bin,
     isolated_env,
+    pi_final_message,
     run_isolated,
     run_launcher,
     serve_scripted,
@@ -32,7 +33,6 @@ from tests.agents.conftest import (
 
 SMALL_WINDOW = 2000  # characters = tokens here; every agent's first prompt is longer
 PI_APIS = ("openai-completions", "openai-responses", "anthropic-messages")
-CLAUDE_OVERFLOW = re.compile(r"prompt is too long: (\d+) tokens > \d+ maximum")
 LONG_REPLY = "one two three four five six seven eight nine ten " * 20
 CUT_AT = 12
 
@@ -99,17 +99,6 @@ def test_codex_reports_the_context_window(small_server: ScriptedServer, tmp_path
     )
 
 
-def _pi_final_message(stdout: str) -> dict[str, Any]:
-    """The last assistant message of a `pi --mode json` run."""
-    messages = [
-        event["message"]
-        for event in map(json.loads, filter(None, stdout.splitlines()))
-        if event.get("type") == "message_end" and event.get("message", {}).get("role") == "assistant"
-    ]
-    assert messages, stdout[-2000:]
-    return messages[-1]
-
-
 def _pi_says_overflow(message: dict[str, Any], window: int) -> bool:
     """Pi's own isContextOverflow (pi-ai, the version Pi pins) on the message it reported."""
     pi = Path(os.path.realpath(agents_bin() / "pi"))
@@ -142,7 +131,7 @@ def test_pi_recognises_the_overflow(api: str, small_server: ScriptedServer, tmp_
         workspace=tmp_path,
         home=tmp_path / "home",
     )
-    message = _pi_final_message(run.stdout)
+    message = pi_final_message(run.stdout)
     assert message["stopReason"] == "error", message
     assert _pi_says_overflow(message, SMALL_WINDOW), message["errorMessage"]
     seen = _no_5xx(small_server)
@@ -193,7 +182,7 @@ def test_pi_accepts_a_reply_cut_by_the_limit(api: str, capped_server: ScriptedSe
         home=tmp_path / "home",
     )
     assert run.returncode == 0, run.stderr
-    message = _pi_final_message(run.stdout)
+    message = pi_final_message(run.stdout)
     assert message["stopReason"] == "length", message
     text = "".join(part.get("text", "") for part in message["content"] if part.get("type") == "text")
     assert text == LONG_REPLY[:CUT_AT]
