@@ -228,3 +228,25 @@ def pi_final_message(stdout: str) -> dict[str, Any]:
     ]
     assert messages, stdout[-2000:]
     return messages[-1]
+
+
+def pi_says_overflow(message: dict[str, Any], window: int) -> bool:
+    """Pi's own isContextOverflow (pi-ai, the version Pi pins) on the message it reported."""
+    pi = Path(os.path.realpath(agents_bin() / "pi"))
+    modules = next(p for p in pi.parents if p.name == "node_modules")
+    module = modules / "@earendil-works" / "pi-ai" / "dist" / "utils" / "overflow.js"
+    script = (
+        "const m = await import(process.argv[1]);"
+        "const msg = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+        "process.stdout.write(String(m.isContextOverflow(msg, Number(process.argv[2]))));"
+    )
+    node = [str(agents_bin() / "node"), "--input-type=commonjs", "-e", f"(async () => {{ {script} }})()"]
+    done = subprocess.run(
+        [*node, str(module), str(window)],
+        input=json.dumps(message),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.strip() == "true"

@@ -24,6 +24,7 @@ from tests.agents.conftest import (
     agents_bin,
     free_port,
     pi_final_message,
+    pi_says_overflow,
     run_launcher,
 )
 from tests.integration.http.conftest import _serve
@@ -105,21 +106,26 @@ def test_pi_answers_within_the_token_limit(api: str, real_server: tuple[int, Rec
 
 
 def test_launcher_starts_a_server_that_logs_to_a_file(tmp_path: Path) -> None:
+    """`mlx-dspark pi` with no server running: it starts one with our flags, tells Pi the window that
+    server enforces, keeps its log out of the terminal, and stops it afterwards. A small --context-window
+    makes Pi's first prompt overflow, so this costs a model load and no prefill."""
     agents_bin()
     port = free_port()
     log = tmp_path / "server.log"
     launcher = ["--model", "default", "--mode", "baseline", "--port", str(port), "--server-log", str(log)]
     run = run_launcher(
         "pi",
-        [*launcher, "--max-output-tokens", str(ANSWER_TOKENS)],
-        ["-p", "Say hi.", "--no-session"],
+        [*launcher, "--context-window", "1024"],
+        ["-p", "Say hi.", "--no-session", "--mode", "json"],
         workspace=tmp_path,
         home=tmp_path / "home",
         timeout=RUN_TIMEOUT_S,
     )
     assert run.returncode == 0, run.stderr
-    assert f"log: {log}" in run.stderr and f"context window of {WINDOW} tokens" in run.stderr
-    assert run.stdout.strip() and "http.request" not in run.stdout + run.stderr  # logs stay out of the terminal
+    assert f"log: {log}" in run.stderr and "context window of 1024 tokens" in run.stderr
+    message = pi_final_message(run.stdout)
+    assert pi_says_overflow(message, 1024), message
+    assert "http.request" not in run.stdout + run.stderr  # the server's log stays out of the terminal
     assert "http.request" in log.read_text()
     with socket.socket() as s:  # the server it started is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0

@@ -10,11 +10,8 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,6 +23,7 @@ from tests.agents.conftest import (
     agents_bin,
     isolated_env,
     pi_final_message,
+    pi_says_overflow,
     run_isolated,
     run_launcher,
     serve_scripted,
@@ -99,28 +97,6 @@ def test_codex_reports_the_context_window(small_server: ScriptedServer, tmp_path
     )
 
 
-def _pi_says_overflow(message: dict[str, Any], window: int) -> bool:
-    """Pi's own isContextOverflow (pi-ai, the version Pi pins) on the message it reported."""
-    pi = Path(os.path.realpath(agents_bin() / "pi"))
-    modules = next(p for p in pi.parents if p.name == "node_modules")
-    module = modules / "@earendil-works" / "pi-ai" / "dist" / "utils" / "overflow.js"
-    script = (
-        "const m = await import(process.argv[1]);"
-        "const msg = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
-        "process.stdout.write(String(m.isContextOverflow(msg, Number(process.argv[2]))));"
-    )
-    node = [str(agents_bin() / "node"), "--input-type=commonjs", "-e", f"(async () => {{ {script} }})()"]
-    done = subprocess.run(
-        [*node, str(module), str(window)],
-        input=json.dumps(message),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return done.stdout.strip() == "true"
-
-
 @pytest.mark.parametrize("api", PI_APIS)
 def test_pi_recognises_the_overflow(api: str, small_server: ScriptedServer, tmp_path: Path) -> None:
     small_server.script(lambda prompt: "unreachable")
@@ -133,7 +109,7 @@ def test_pi_recognises_the_overflow(api: str, small_server: ScriptedServer, tmp_
     )
     message = pi_final_message(run.stdout)
     assert message["stopReason"] == "error", message
-    assert _pi_says_overflow(message, SMALL_WINDOW), message["errorMessage"]
+    assert pi_says_overflow(message, SMALL_WINDOW), message["errorMessage"]
     seen = _no_5xx(small_server)
     assert seen and all(status == 400 for _, status, _ in seen)
 
