@@ -169,14 +169,17 @@ def bench_runners(
     model: LoadedModel,
     requested: Sequence[str] | None,
     progress: Callable[[str], None],
+    fraction: Callable[[str, float], None] | None = None,
 ) -> dict[str, GenerationService]:
     """One GenerationService per bench mode on one loaded target (a mode that cannot load is skipped,
-    unless it was asked for)."""
+    unless it was asked for); `progress` and `fraction` as in `build_generator`."""
     modes, explicit = bench_modes(services, model, requested)
     runners: dict[str, GenerationService] = {}
     for mode in modes:
         try:
-            runners[mode] = build_generator(services, settings, model=model, mode=mode, progress=progress)
+            runners[mode] = build_generator(
+                services, settings, model=model, mode=mode, progress=progress, fraction=fraction
+            )
         except DomainError as exc:
             if explicit:
                 raise
