@@ -214,6 +214,8 @@ def main(client: str, argv: Sequence[str]) -> int:
     server = None
     if info is not None and not printing:
         progress_line(f"reusing the server at {base} (model {info.get('model')})")
+        if args.context_window and args.context_window != info.get("context_window"):
+            progress_line(f"--context-window {args.context_window} ignored: the running server enforces its own")
     elif info is None and not printing:
         server, info = start_server(args, base, _log_path(args))
     try:
