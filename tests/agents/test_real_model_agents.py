@@ -91,8 +91,10 @@ def test_codex_answers_or_reports_the_window(real_server: tuple[int, RecordingAp
         assert "ran out of room in the model's context window" in run.stderr, run.stderr
 
 
-@pytest.mark.parametrize("api", ["openai-completions", "openai-responses", "anthropic-messages"])
-def test_pi_answers_within_the_token_limit(api: str, real_server: tuple[int, RecordingApp], tmp_path: Path) -> None:
+def test_pi_answers_within_the_token_limit(real_server: tuple[int, RecordingApp], tmp_path: Path) -> None:
+    # One API here: the three APIs' wire behaviour is covered on the scripted model; a ~1.5k-token prefill
+    # on a 2-core CPU is what this costs.
+    api = "openai-completions"
     port, recorder = real_server
     since = len(recorder.requests)
     run = _launch("pi", port, tmp_path, ["-p", "Say hi.", "--no-session", "--mode", "json"], extra=("--api", api))
