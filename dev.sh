@@ -3,10 +3,17 @@
 #   ./dev.sh demo   [generate options]   set up, install the default model, generate on it
 #   ./dev.sh test   [pytest options]     set up, then lint, import contracts, mypy and pytest
 #   ./dev.sh setup                       set up only
+#   ./dev.sh agents                      install only the coding agents of tests/agents (from npm)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 VENV=${MLX_DSPARK_VENV:-.venv}
+# The real coding agents behind tests/agents: pinned npm packages in a cache reused between runs.
+AGENTS_DIR=${MLX_DSPARK_AGENTS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/mlx-dspark/agents}
+NODE_VERSION=24.22.3                   # Pi 1.6 needs Node >= 22.19 at run time; npm picks by engines.node
+CLAUDE_CODE_VERSION=2.1.332
+CODEX_VERSION=0.171.0
+PI_VERSION=1.6.0
 
 setup() {
   local models=${1:-}
@@ -21,11 +28,84 @@ setup() {
   "$VENV/bin/mlx-dspark" install-default --quiet $models
 }
 
+skip_agents() {
+  echo "" >&2
+  echo "######################################################################" >&2
+  echo "## mlx-dspark: SKIPPING the real-agent tier (tests/agents): $1" >&2
+  echo "######################################################################" >&2
+  echo "" >&2
+  export MLX_DSPARK_AGENTS_SKIP="$1"
+}
+
+install_agents() {
+  local platform want
+  case "$(uname -s)-$(uname -m)" in
+    Linux-x86_64) platform=linux-x64 ;;
+    Linux-aarch64) platform=linux-arm64 ;;
+    Darwin-arm64) platform=darwin-arm64 ;;
+    Darwin-x86_64) platform=darwin-x64 ;;
+    *) skip_agents "no Node package for $(uname -s)-$(uname -m)"; return 0 ;;
+  esac
+  want="node-$platform@$NODE_VERSION @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION @openai/codex@$CODEX_VERSION @earendil-works/pi-coding-agent@$PI_VERSION"
+  mkdir -p "$AGENTS_DIR"
+  if [ "$(cat "$AGENTS_DIR/installed" 2>/dev/null)" != "$want" ]; then
+    if ! command -v npm >/dev/null 2>&1; then
+      skip_agents "npm is not installed"; return 0
+    fi
+    local bounded=()
+    if command -v timeout >/dev/null 2>&1; then bounded=(timeout 30); fi
+    if ! ${bounded[@]+"${bounded[@]}"} npm ping >/dev/null 2>&1; then
+      skip_agents "the npm registry is unreachable"; return 0
+    fi
+    # Locked (where flock exists): another checkout may be installing into the same cache.
+    (
+      if command -v flock >/dev/null 2>&1; then flock 9; fi
+      if [ "$(cat "$AGENTS_DIR/installed" 2>/dev/null)" != "$want" ]; then
+        install_agents_unlocked "$platform" "$want"
+      fi
+    ) 9>"$AGENTS_DIR/.lock"
+  fi
+  export MLX_DSPARK_AGENTS="$AGENTS_DIR/bin"
+}
+
+install_agents_unlocked() {
+  local platform=$1 want=$2 started failed=0 claude codex pi tool
+  started=$(date +%s)
+  echo "mlx-dspark: installing Node $NODE_VERSION, Claude Code $CLAUDE_CODE_VERSION, Codex $CODEX_VERSION, Pi $PI_VERSION into $AGENTS_DIR" >&2
+  rm -rf "$AGENTS_DIR/installed" "$AGENTS_DIR/bin" "$AGENTS_DIR/node" "$AGENTS_DIR/claude" "$AGENTS_DIR/codex" "$AGENTS_DIR/pi"
+  local npm_i=(npm install --no-audit --no-fund --no-update-notifier --loglevel=error)
+  "${npm_i[@]}" --prefix "$AGENTS_DIR/node" "node-$platform@$NODE_VERSION" >&2
+  mkdir -p "$AGENTS_DIR/bin"
+  ln -s "$AGENTS_DIR/node/node_modules/node-$platform/bin/node" "$AGENTS_DIR/bin/node"
+  # npm itself now runs on this Node, so engines.node checks see 24; the three installs run side by side.
+  PATH="$AGENTS_DIR/bin:$PATH" "${npm_i[@]}" --prefix "$AGENTS_DIR/claude" "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >&2 &
+  claude=$!
+  PATH="$AGENTS_DIR/bin:$PATH" "${npm_i[@]}" --prefix "$AGENTS_DIR/codex" "@openai/codex@$CODEX_VERSION" >&2 &
+  codex=$!
+  PATH="$AGENTS_DIR/bin:$PATH" "${npm_i[@]}" --prefix "$AGENTS_DIR/pi" "@earendil-works/pi-coding-agent@$PI_VERSION" >&2 &
+  pi=$!
+  wait "$claude" || failed=1
+  wait "$codex" || failed=1
+  wait "$pi" || failed=1
+  if [ "$failed" -ne 0 ]; then
+    echo "mlx-dspark: installing the agents from npm failed (see above)" >&2
+    return 1
+  fi
+  for tool in claude codex pi; do
+    ln -s "$AGENTS_DIR/$tool/node_modules/.bin/$tool" "$AGENTS_DIR/bin/$tool"
+  done
+  echo "$want" > "$AGENTS_DIR/installed"   # written last: a half-finished install is redone next time
+  echo "mlx-dspark: agents installed in $(( $(date +%s) - started )) s" >&2
+}
+
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
   setup)
     setup
+    ;;
+  agents)
+    install_agents
     ;;
   demo)
     setup
@@ -36,13 +116,14 @@ case "$cmd" in
     ;;
   test)
     setup --gemma   # the second real model backs the sliding-window tests
+    install_agents
     "$VENV/bin/ruff" check .
     "$VENV/bin/lint-imports"
     "$VENV/bin/mypy" -p mlx_dspark.domain -p mlx_dspark.application
     exec "$VENV/bin/pytest" "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo|test|setup [args]" >&2
+    echo "usage: ./dev.sh demo|test|setup|agents [args]" >&2
     exit 2
     ;;
 esac

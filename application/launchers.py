@@ -27,6 +27,12 @@ CLAUDE_REMOVED = (
     "ANTHROPIC_FOUNDRY_BASE_URL",
     "ANTHROPIC_FOUNDRY_RESOURCE",
 )
+# Codex requires base instructions in a catalog entry; they replace its ~17k-character built-in prompt,
+# which alone would overflow a small local model's window.
+CODEX_INSTRUCTIONS = (
+    "You are a coding agent working in the user's workspace through the Codex CLI, served by a local model. "
+    "Use the tools to inspect and change files and to run commands; keep answers short and say what you did."
+)
 LONG_TIMEOUT_MS = "3600000"  # local prefill of a 20k-token prompt can take minutes
 
 
@@ -131,6 +137,13 @@ def codex_plan(target: Target, args: Sequence[str], environ: Mapping[str, str], 
                 "slug": target.model,
                 "display_name": target.model,
                 "description": "local model served by mlx-dspark",
+                "visibility": "list",
+                "supported_in_api": True,
+                "priority": 0,
+                "default_reasoning_level": "none",
+                "default_reasoning_summary": "none",
+                "support_verbosity": False,
+                "base_instructions": CODEX_INSTRUCTIONS,
                 "context_window": target.context_window,
                 "shell_type": "default",
                 "truncation_policy": {"mode": "bytes", "limit": 10000},

@@ -51,6 +51,7 @@ def build_generator(
     model: LoadedModel | None = None,
     mode: str | None = None,
     progress: Callable[[str], None] | None = None,
+    fraction: Callable[[str, float], None] | None = None,
 ) -> GenerationService:
     """A GenerationService for the configured model and mode.
 
@@ -60,6 +61,8 @@ def build_generator(
         model: an already loaded target (reuse across modes), else loaded from settings.
         mode: overrides settings.model.mode.
         progress: receives one-line progress messages (loading, calibration, the auto race).
+        fraction: receives (label, fraction done) of calibration and the auto race, for one progress bar;
+            without it those go to `progress` as "label (N%)" lines.
 
     Raises:
         ModelUnavailable: the model or the mode's drafter cannot be found.
@@ -67,8 +70,11 @@ def build_generator(
     """
     say = progress or (lambda _msg: None)
 
-    def measured(msg: str, fraction: float) -> None:
-        say(f"{msg} ({fraction:.0%})")
+    def measured(msg: str, done: float) -> None:
+        if fraction is not None:
+            fraction(msg, done)
+        else:
+            say(f"{msg} ({done:.0%})")
 
     if model is None:
         say(f"loading {settings.model.model}")
@@ -163,14 +169,17 @@ def bench_runners(
     model: LoadedModel,
     requested: Sequence[str] | None,
     progress: Callable[[str], None],
+    fraction: Callable[[str, float], None] | None = None,
 ) -> dict[str, GenerationService]:
     """One GenerationService per bench mode on one loaded target (a mode that cannot load is skipped,
-    unless it was asked for)."""
+    unless it was asked for); `progress` and `fraction` as in `build_generator`."""
     modes, explicit = bench_modes(services, model, requested)
     runners: dict[str, GenerationService] = {}
     for mode in modes:
         try:
-            runners[mode] = build_generator(services, settings, model=model, mode=mode, progress=progress)
+            runners[mode] = build_generator(
+                services, settings, model=model, mode=mode, progress=progress, fraction=fraction
+            )
         except DomainError as exc:
             if explicit:
                 raise

@@ -8,7 +8,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, start_with_model
+from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, start_with_model
+from mlx_dspark.entrypoints.cli.progress import ProgressBar
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,19 +30,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also write a PNG of tok/s per mode and the cost curves")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, only the report")
     return p
-
-
-def _progress(msg: str, fraction: float) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[Kmlx-dspark: {msg} [{fraction * 100:3.0f}%]")
-        if fraction >= 1.0:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
+    bar = ProgressBar(quiet=args.quiet)
 
     def body() -> int:
         from mlx_dspark.application import bootstrap
@@ -51,9 +46,9 @@ def main(argv: Sequence[str]) -> int:
         from mlx_dspark.entrypoints.cli.bench_render import PlotUnavailable, plot_report, render_table
 
         prompts = load_prompts(args.prompts)
-        settings, services, model = start_with_model(args)
+        settings, services, model = start_with_model(args, bar.note)
         requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
-        runners = bench_runners(services, settings, model, requested, progress_line)
+        runners = bench_runners(services, settings, model, requested, bar.note, bar.update)
         curves = {}
         if args.json or args.plot:
             curves = runner_curves(
@@ -62,7 +57,7 @@ def main(argv: Sequence[str]) -> int:
                 model,
                 runners,
                 drafter_bits=settings.model.drafter_bits,
-                progress=_progress,
+                progress=bar.update,
             )
         report = run_bench(
             runners,
@@ -73,8 +68,9 @@ def main(argv: Sequence[str]) -> int:
             seed=args.seed,
             curves=curves,
             environment=bootstrap.runtime_report() if args.json else {},
-            progress=_progress,
+            progress=bar.update,
         )
+        bar.close()
         if args.json:
             sys.stdout.write(json.dumps(report_json(report), indent=1) + "\n")
         else:
@@ -83,13 +79,16 @@ def main(argv: Sequence[str]) -> int:
             try:
                 plot_report(report, args.plot)
             except PlotUnavailable as exc:
-                sys.stderr.write(f"mlx-dspark: {exc}\n")
+                bar.warn(str(exc))
                 return 1
-            progress_line(f"wrote {args.plot}")
+            bar.note(f"wrote {args.plot}")
         bad_modes = [m.mode for m in report.modes if m.lossless is False]
         if bad_modes:
-            progress_line(f"LOSSLESS CHECK FAILED for {', '.join(bad_modes)} (token ids differ from baseline)")
+            bar.warn(f"LOSSLESS CHECK FAILED for {', '.join(bad_modes)} (token ids differ from baseline)")
             return 3
         return 0
 
-    return run_guarded(body)
+    try:
+        return run_guarded(body)
+    finally:
+        bar.close()

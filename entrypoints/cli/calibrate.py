@@ -8,7 +8,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, start_with_model
+from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, start_with_model
+from mlx_dspark.entrypoints.cli.progress import ProgressBar
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,18 +20,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", help="draft sources to race (default: every available one), e.g. lookup,dspark")
     p.add_argument("--race-tokens", type=int, default=24, help="tokens per race prompt")
     p.add_argument("--json", action="store_true", help="print curves and race results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, only the results")
     return p
-
-
-def _progress(msg: str, fraction: float) -> None:
-    end = "\n" if fraction >= 1.0 or not sys.stderr.isatty() else ""
-    prefix = "\r\033[K" if sys.stderr.isatty() else ""
-    sys.stderr.write(f"{prefix}mlx-dspark: calibrating: {msg} [{fraction * 100:3.0f}%]{end}")
-    sys.stderr.flush()
 
 
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
+    bar = ProgressBar(quiet=args.quiet)
+
+    def calibrating(msg: str, fraction: float) -> None:
+        bar.update(f"calibrating: {msg}", fraction)
 
     def body() -> int:
         from mlx_dspark.application.auto_mode import measure_and_choose
@@ -38,9 +37,9 @@ def main(argv: Sequence[str]) -> int:
         from mlx_dspark.application.modes import auto_candidates, parse_max_draft
         from mlx_dspark.domain.costmodel.curves import best_cap
 
-        settings, services, model = start_with_model(args)
+        settings, services, model = start_with_model(args, bar.note)
         kinds = [k.strip() for k in args.modes.split(",") if k.strip()] if args.modes else None
-        candidates = auto_candidates(services, settings, model, progress_line, kinds=kinds)
+        candidates = auto_candidates(services, settings, model, bar.warn, kinds=kinds)
         choice = measure_and_choose(
             services.calibration,
             model,
@@ -51,8 +50,9 @@ def main(argv: Sequence[str]) -> int:
             force=True,
             online=False,
             race_tokens=args.race_tokens,
-            progress=_progress,
+            progress=calibrating,
         )
+        bar.close()
         prior = [0.7] * 64
         if args.json:
             doc = {
@@ -87,4 +87,7 @@ def main(argv: Sequence[str]) -> int:
         sys.stdout.write(f"auto mode picks: {choice.mode}\n")
         return 0
 
-    return run_guarded(body)
+    try:
+        return run_guarded(body)
+    finally:
+        bar.close()

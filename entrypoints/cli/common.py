@@ -60,11 +60,14 @@ MODEL_FLAGS = (
 )
 
 
-def start_with_model(args: argparse.Namespace) -> tuple[Settings, Services, LoadedModel]:
-    """Settings from the model flags only, wired services, and the loaded target (with a progress line)."""
+def start_with_model(
+    args: argparse.Namespace, say: Callable[[str], None] | None = None
+) -> tuple[Settings, Services, LoadedModel]:
+    """Settings from the model flags only, wired services, and the loaded target (`say` hears "loading …",
+    default a line on stderr)."""
     settings = settings_from(argparse.Namespace(**{k: getattr(args, k) for k in MODEL_FLAGS}))
     services = start(settings, quiet_logs=True)
-    progress_line(f"loading {settings.model.model}")
+    (say or progress_line)(f"loading {settings.model.model}")
     return settings, services, services.loader.load_target(settings.model.model)
 
 

@@ -12,7 +12,8 @@ import attrs
 from mlx_dspark.application.generation import GenerationDone, GenerationRequest, TextChunk
 from mlx_dspark.application.modes import build_generator
 from mlx_dspark.domain.tokens import SamplingParams
-from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, settings_from, start
+from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, settings_from, start
+from mlx_dspark.entrypoints.cli.progress import ProgressBar
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt (chat template only)")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary line, only the text")
     return p
 
 
@@ -35,13 +37,14 @@ def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     as_json, stops, system, raw = args.json, tuple(args.stop), args.system, args.no_chat_template
-    for name in ("prompt", "json", "stop", "system", "no_chat_template"):
+    bar = ProgressBar(quiet=args.quiet)
+    for name in ("prompt", "json", "stop", "system", "no_chat_template", "quiet"):
         delattr(args, name)
 
     def body() -> int:
         settings = settings_from(args)
         services = start(settings, quiet_logs=True)
-        gen = build_generator(services, settings, progress=progress_line)
+        gen = build_generator(services, settings, progress=bar.note, fraction=bar.update)
         d = settings.decode
         sampling = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed)
         prompt: object = prompt_text
@@ -56,21 +59,27 @@ def main(argv: Sequence[str]) -> int:
         )
         for event in gen.stream(request):
             if isinstance(event, TextChunk) and not as_json:
+                bar.close()  # the text takes the bar's place on the terminal
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, GenerationDone):
                 r = event.result
+                bar.close()
                 if as_json:
                     out = attrs.asdict(r)
                     out["token_ids"] = list(r.token_ids)
                     sys.stdout.write(json.dumps(out) + "\n")
                 else:
                     sys.stdout.write("\n")
+                    sys.stdout.flush()
                     ran = f" ({r.source})" if r.source != r.mode else ""
-                    progress_line(
+                    bar.note(
                         f"{r.generated_tokens} tokens, {r.tokens_per_second:.1f} tok/s, mode {r.mode}{ran}, "
                         f"{r.mean_accepted:.2f} per round, finish {r.finish_reason}"
                     )
         return 0
 
-    return run_guarded(body)
+    try:
+        return run_guarded(body)
+    finally:
+        bar.close()

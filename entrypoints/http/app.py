@@ -32,12 +32,14 @@ from mlx_dspark.entrypoints.http import (
 
 @get("/health", sync_to_thread=False)
 def health(request: Request[Any, Any, Any]) -> Response[Any]:
-    """200 once the model is loaded; 503 while loading or when the engine is down."""
+    """200 once the model is loaded (its name, mode and context window); 503 while loading or when down."""
     ctx = support.context(request)
     engine = ctx.engine
     if engine.ready:
         generator = engine.generator
-        return Response(content={"status": "ok", "model": generator.model.name, "mode": generator.mode})
+        window = ctx.chat.context_window(generator.model)
+        body = {"status": "ok", "model": generator.model.name, "mode": generator.mode, "context_window": window}
+        return Response(content=body)
     if engine.alive and not engine.wait_ready(0):
         return Response(content={"status": "loading"}, status_code=503)
     error = str(engine.load_error) if engine.load_error else "the inference engine is not running"

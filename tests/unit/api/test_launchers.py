@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,3 +115,41 @@ def test_run_against_a_live_server_leaves_user_config_alone(
     for path, content in user_files.items():
         assert path.read_text() == content
     assert os.environ["ANTHROPIC_API_KEY"] == "sk-user"
+
+
+def test_every_model_flag_reaches_the_server_it_starts() -> None:
+    argv = [
+        "--model", "some/model", "--mode", "dspark", "--drafter", "d/r", "--drafter-bits", "4", "--max-draft", "3",
+        "--confidence-threshold", "0.25", "--trust-remote-code", "--cache-dir", "/c", "--log-level", "debug",
+        "--api-key", "k", "--context-window", "4096", "--port", "9123",
+    ]  # fmt: skip
+    cmd = launch.serve_command(launch.parser("claude").parse_args(argv))
+    assert cmd[cmd.index("serve") :] == [
+        "serve", "--host", "127.0.0.1", "--port", "9123", "--model", "some/model", "--mode", "dspark",
+        "--drafter", "d/r", "--drafter-bits", "4", "--max-draft", "3", "--confidence-threshold", "0.25",
+        "--trust-remote-code", "--cache-dir", "/c", "--log-level", "debug", "--api-key", "k",
+        "--context-window", "4096",
+    ]  # fmt: skip
+    # and `serve` takes each of them
+    from mlx_dspark.entrypoints.cli import serve
+
+    serve.parser().parse_args(cmd[cmd.index("serve") + 1 :])
+    assert launch.model_flags(launch.parser("pi").parse_args([])) == []
+
+
+def test_a_model_that_fails_to_load_fails_fast_with_the_servers_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "server.log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--model", str(tmp_path / "no-such-model"), "--mode", "baseline", "--port", str(port)]
+    with pytest.raises(SystemExit) as exc:
+        launch.main("codex", [*argv, "--server-log", str(log), "--", "exec", "hi"])
+    message = str(exc.value)
+    assert "could not start" in message and "no-such-model" in message and str(log) in message
+    assert f"log: {log}" in capsys.readouterr().err
+    assert log.stat().st_size > 0  # the server wrote there, not to our terminal
+    with socket.socket() as s:  # and it was stopped
+        assert s.connect_ex(("127.0.0.1", port)) != 0
