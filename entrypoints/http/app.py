@@ -12,14 +12,20 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, get, route
 from litestar.config.cors import CORSConfig
+from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.datastructures import State
+from litestar.static_files import create_static_files_router
+from litestar.template.config import TemplateConfig
 
+from mlx_dspark.application.bootstrap import build_dashboard
+from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
-from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support
+from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support, web
+from mlx_dspark.entrypoints.http.web import routes as web_routes
 
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 DEFAULT_KEEPALIVE_S = 5.0
@@ -40,8 +46,12 @@ def health(request: Request[Any, Any, Any]) -> Response[Any]:
 
 
 @route("/", http_method=["GET", "HEAD"], sync_to_thread=False)
-def root() -> Response[Any]:
-    """Some clients probe the base URL before their first request."""
+def root(request: Request[Any, Any, Any]) -> Any:
+    """The dashboard for a browser; a small JSON status for clients that probe the base URL."""
+    if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        from mlx_dspark.entrypoints.http.web.routes import home
+
+        return home(request)
     return Response(content={"status": "ok", "service": "mlx-dspark"})
 
 
@@ -52,6 +62,7 @@ def create_app(
     engine: EngineThread | None = None,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
     max_body_bytes: int = DEFAULT_MAX_BODY,
+    dashboard: Dashboard | None = None,
 ) -> Litestar:
     """The server app.
 
@@ -61,6 +72,7 @@ def create_app(
         engine: an engine to use instead of one that builds the configured GenerationService.
         keepalive_s: seconds of engine silence before a dialect keep-alive event.
         max_body_bytes: the largest accepted request body.
+        dashboard: the web dashboard's use cases (default: built over the real adapters).
     """
     settings = settings or services.settings
 
@@ -86,6 +98,7 @@ def create_app(
         finally:
             engine.stop(timeout=5)
 
+    dashboard = dashboard or build_dashboard(services, settings)
     cors = CORSConfig(allow_origins=list(settings.server.cors_origins)) if settings.server.cors_origins else None
     return Litestar(
         route_handlers=[
@@ -94,11 +107,14 @@ def create_app(
             routes_anthropic.router(),
             routes_openai_chat.router(),
             routes_openai_responses.router(),
+            *web_routes.routers(),
+            create_static_files_router(path="/static", directories=[web.STATIC], name="static"),
         ],
+        template_config=TemplateConfig(directory=web.TEMPLATES, engine=JinjaTemplateEngine),
         lifespan=[lifespan],
         cors_config=cors,
         request_max_body_size=None,  # enforced per dialect, so the 413 comes in the dialect's envelope
-        state=State({"ctx": ctx}),
+        state=State({"ctx": ctx, "dashboard": dashboard, "services": services}),
         openapi_config=None,
         logging_config=None,
     )
