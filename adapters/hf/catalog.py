@@ -110,7 +110,7 @@ class LocalModelCatalog:
             if snap is None or not any(f.suffix in _WEIGHTS for f in snap.iterdir()):
                 continue
             repo_id = repo.name[len("models--") :].replace("--", "/")
-            yield self._entry(repo_id, snap, "huggingface cache", weights_at=repo)
+            yield self._entry(repo_id, snap, "huggingface cache", weights_at=repo / "blobs")
 
     def _lm_studio(self) -> Iterator[LocalModel]:
         for root in self._lm if self._lm is not None else lm_studio_dirs():

@@ -2,7 +2,8 @@
 
 Serves model listings (/api/models), repo info with file sizes (/api/models/<repo>[/revision/<rev>]) and
 files (/<repo>/resolve/<rev>/<file>) with HEAD, ETag, X-Repo-Commit and byte ranges. Faults are injected
-per file: `truncate[name] = n` sends the headers of the whole file but only its first n bytes, then hangs up.
+per file: `truncate[name] = n` sends the headers of the whole file but only its first n bytes, then hangs up
+(on every GET, or on the next `truncate_times[name]` GETs only).
 Every request is recorded (method, path, Range header) for assertions. Loopback only.
 """
 
@@ -26,6 +27,7 @@ class FakeRepo:
     repo_id: str
     files: dict[str, bytes]
     sha: str = attrs.field(default="")
+    listed_sizes: dict[str, int] = attrs.Factory(dict)  # sizes to report instead (header-only weight files)
     downloads: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -38,6 +40,7 @@ class FakeRepo:
 class FakeHub:
     repos: dict[str, FakeRepo] = attrs.Factory(dict)
     truncate: dict[str, int] = attrs.Factory(dict)
+    truncate_times: dict[str, int] = attrs.Factory(dict)
     requests: list[tuple[str, str, str]] = attrs.Factory(list)
     url: str = ""
 
@@ -86,7 +89,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     self._json(404, {"error": "Repository not found"})
                     return
                 siblings = [
-                    {"rfilename": n, "size": len(b), "blobId": hashlib.sha1(b).hexdigest()} for n, b in repo.files.items()
+                    {"rfilename": n, "size": repo.listed_sizes.get(n, len(b)), "blobId": hashlib.sha1(b).hexdigest()} for n, b in repo.files.items()
                 ]
                 self._json(200, {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha, "siblings": siblings,
                                  "private": False, "downloads": repo.downloads, "tags": []})  # fmt: skip
@@ -124,7 +127,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if self.command == "HEAD":
                 return
             cut = hub.truncate.get(name)
-            if cut is not None and self.command == "GET":
+            if cut is not None and name in hub.truncate_times:
+                if hub.truncate_times[name] <= 0:
+                    cut = None
+                else:
+                    hub.truncate_times[name] -= 1
+            if cut is not None and self.command == "GET" and cut < end + 1:
                 self.wfile.write(body[: max(0, cut - start)])
                 self.wfile.flush()
                 self.close_connection = True

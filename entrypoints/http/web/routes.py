@@ -24,6 +24,7 @@ from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.chat import ReasoningDelta, TextDelta, ToolCallEnd, TurnFinished
 from mlx_dspark.domain.errors import DomainError, InvalidRequest
 from mlx_dspark.entrypoints.http import support
+from mlx_dspark.entrypoints.http.web import STATIC
 from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, server_key, web_guard
 
 log = structlog.get_logger("mlx_dspark.web")
@@ -116,8 +117,17 @@ def _error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 
 def _page(request: Request[Any, Any, Any], page: str) -> Template | Response[Any]:
     if not authorized(request):
-        return Template(template_name="login.html", context={"pages": PAGES, "page": "login"}, status_code=401)
-    return Template(template_name=f"{page}.html", context={"pages": PAGES, "page": page, "title": PAGES[page]})
+        return Template(
+            template_name="login.html", context={"pages": PAGES, "page": "login"}, status_code=401, media_type="text/html"
+        )
+    return Template(
+        template_name=f"{page}.html", context={"pages": PAGES, "page": page, "title": PAGES[page]}, media_type="text/html"
+    )
+
+
+@get("/favicon.ico", sync_to_thread=False, include_in_schema=False)
+def favicon() -> Response[bytes]:
+    return Response(content=(STATIC / "favicon.svg").read_bytes(), media_type="image/svg+xml")
 
 
 @get(["/ui", "/ui/chat"], sync_to_thread=False, include_in_schema=False)
@@ -477,7 +487,7 @@ def routers() -> list[Router]:
     """Pages and login (which answer a missing key with the login page) and the guarded API routes."""
     pages = Router(
         path="/",
-        route_handlers=[chat_page, models_page, telemetry_page, roofline_page, race_page, login],
+        route_handlers=[chat_page, models_page, telemetry_page, roofline_page, race_page, login, favicon],
         exception_handlers={Exception: _error},
     )
     api = Router(

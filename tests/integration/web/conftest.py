@@ -58,6 +58,12 @@ class DraftingLoader(ScriptedLoader):
         return ["lookup"]
 
 
+def fit_weight_bytes() -> int:
+    from mlx_dspark.domain.fit import weight_bytes
+
+    return weight_bytes(llama8b_tensors())
+
+
 @attrs.define
 class WebServer:
     base_url: str
@@ -77,6 +83,7 @@ def fake_hub() -> FakeHub:
                 "config.json": json.dumps(LLAMA8B).encode(),
                 "model.safetensors": safetensors_bytes(llama8b_tensors(), with_data=False),
             },
+            listed_sizes={"model.safetensors": fit_weight_bytes()},
         )
     )
     return hub

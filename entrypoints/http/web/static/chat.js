@@ -93,6 +93,7 @@
       if (err) body.append(el("div", {class: "error"}, err.message));
       reply.classList.remove("streaming"); streaming = null;
       $("send").disabled = false; $("stop").disabled = true;
+      api.get(`/ui/api/sessions/${current.id}`).then((s) => { current = s; $("session-title").value = s.title; });
       loadSessions(current.id);
     });
   }

@@ -31,7 +31,7 @@
   function go() {
     const modes = [...document.querySelectorAll(".roof-mode:checked")].map((c) => c.value);
     $("roof-go").disabled = true; $("roof-status").textContent = "starting…";
-    api.stream("/ui/api/roofline", {modes}, (ev) => {
+    api.stream("/ui/api/roofline", {modes, max_tokens: +$("roof-max").value || 48}, (ev) => {
       if (ev.type === "status") $("roof-status").textContent = ev.text;
       else if (ev.type === "result") { draw(ev); $("roof-status").textContent = "measured just now on " + ev.device; document.body.dataset.roofline = "1"; }
       else if (ev.type === "error") $("roof-status").textContent = ev.message;

@@ -3,7 +3,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const MAX_POINTS = 300;
-  let charts = {}, n = 0, hist = {}, requests = {}, reqOrder = [], updated = 0;
+  let charts = {}, n = 0, hist = {}, requests = {}, reqOrder = [], updated = 0, drafted = 0, accepted = 0;
   function line(id, label, color, stepped) {
     return new Chart($(id), {type: "line", data: {labels: [], datasets: [{label, data: [], borderColor: color,
       backgroundColor: color + "33", fill: true, pointRadius: 0, borderWidth: 1.5, stepped: !!stepped, tension: 0}]},
@@ -38,6 +38,8 @@
       push(charts.toks, n, +ev.tok_s.toFixed(1));
       push(charts.cap, n, ev.cap);
       if (ev.drafted) hist[ev.accepted] = (hist[ev.accepted] || 0) + 1;
+      drafted += ev.drafted; accepted += ev.accepted;
+      if (drafted) $("k-accept").textContent = ((accepted / drafted) * 100).toFixed(1) + "%";
       $("k-rounds").textContent = (+$("k-rounds").textContent || 0) + 1;
       $("k-batch").textContent = ev.batch;
     } else if (ev.type === "request") {
@@ -56,7 +58,7 @@
   }
   function applyTotals(s) {
     const t = (s && s.totals) || {};
-    $("k-accept").textContent = t.drafted ? ((t.accepted / t.drafted) * 100).toFixed(1) + "%" : "—";
+    if (t.drafted && !drafted) $("k-accept").textContent = ((t.accepted / t.drafted) * 100).toFixed(1) + "%";
   }
   document.addEventListener("DOMContentLoaded", () => {
     charts.toks = line("chart-toks", "tok/s", "#6ea8fe");
