@@ -16,7 +16,7 @@ from typing import Any
 from mlx_dspark.adapters.hf.default_models import EMBEDDED, package_dir
 from mlx_dspark.adapters.hf.loader import packaged_drafters
 from mlx_dspark.adapters.hf.resolve import hf_cache_dir
-from mlx_dspark.application.dashboard.ports import LocalModel
+from mlx_dspark.domain.dashboard import LocalModel
 
 _WEIGHTS = (".safetensors", ".gguf", ".bin", ".npz")
 

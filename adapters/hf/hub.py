@@ -3,20 +3,24 @@
 The endpoint is explicit (the dashboard passes HF_ENDPOINT), so a local server speaking the hub's API
 works the same as huggingface.co. Fit facts read `config.json` and only the JSON headers of the
 safetensors files (two small ranged reads each); downloads go into the Hugging Face cache, where the
-loader finds them by repo id, and resume from the partial files of an interrupted download.
+loader finds them by repo id. A dropped connection resumes with a ranged request from the last written
+chunk; a download that still fails leaves no partial file behind (huggingface-hub writes each attempt to
+a temporary file of its own), so trying again starts that file over.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlx_dspark.application.dashboard.ports import Progress, RepoFacts
 from mlx_dspark.domain import fit
+from mlx_dspark.domain.dashboard import RepoFacts
 from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 MAX_HEADER = 100 << 20
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -114,7 +118,7 @@ class HfModelHub:
         """Download every file of the repo (or `files`) at one commit; returns the snapshot folder.
 
         Raises:
-            ModelUnavailable: the repo is unknown or a file failed (partial files stay for a resume).
+            ModelUnavailable: the repo is unknown or a file failed after huggingface-hub's own resumes.
         """
         from huggingface_hub import hf_hub_download
 

@@ -70,13 +70,17 @@ class MlxMachineProbe:
             samples.append(time.perf_counter() - t0)
             del out
         median = statistics.median(samples)
-        return {"bytes_per_s": 2 * n * 4 / median, "size": n * 4, "samples_s": samples, "device": str(mx.default_device())}
+        return {
+            "bytes_per_s": 2 * n * 4 / median,
+            "size": n * 4,
+            "samples_s": samples,
+            "device": str(mx.default_device()),
+        }
 
 
 def _meminfo(field: str) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return 0

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from mlx_dspark.application.dashboard.ports import SessionInfo, StoredMessage
+from mlx_dspark.domain.dashboard import SessionInfo, StoredMessage
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -103,7 +103,7 @@ class SqliteSessionStore:
             ).fetchone()
         return _session(row) if row else None
 
-    def list(self) -> list[SessionInfo]:
+    def sessions(self) -> list[SessionInfo]:
         with self._connect() as db:
             rows = db.execute(
                 "SELECT s.*, (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS n "
@@ -113,7 +113,9 @@ class SqliteSessionStore:
 
     def rename(self, session_id: str, title: str) -> bool:
         with self._write() as db:
-            cur = db.execute("UPDATE sessions SET title = ?, updated = ? WHERE id = ?", (title, time.time(), session_id))
+            cur = db.execute(
+                "UPDATE sessions SET title = ?, updated = ? WHERE id = ?", (title, time.time(), session_id)
+            )
         return cur.rowcount > 0
 
     def update_settings(self, session_id: str, settings: Mapping[str, Any]) -> bool:

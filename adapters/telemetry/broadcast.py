@@ -66,10 +66,10 @@ class BroadcastTelemetrySink:
                 self.totals["tokens_committed"] += n
                 self._window.append((now, n))
                 if state["prefill_done"] is None:
+                    # The decode loop's first event follows the prefill forward: the prompt is in the cache.
+                    # (Its duration arrives with `finished`: no event precedes the prefill.)
                     state["prefill_done"] = now
-                    out.append(
-                        {"type": "prefill", "request_id": request_id, "prefill_s": round(now - state["started"], 6)}
-                    )
+                    out.append({"type": "prefill", "request_id": request_id, "done": True})
             elif isinstance(event, RoundFinished):
                 self.totals["rounds"] += 1
                 self.totals["drafted"] += event.drafted
@@ -98,7 +98,13 @@ class BroadcastTelemetrySink:
             elif isinstance(event, CapChanged):
                 self.totals["cap_changes"] += 1
                 out.append(
-                    {"type": "cap", "request_id": request_id, "old": event.old, "new": event.new, "reason": event.reason}
+                    {
+                        "type": "cap",
+                        "request_id": request_id,
+                        "old": event.old,
+                        "new": event.new,
+                        "reason": event.reason,
+                    }
                 )
             elif isinstance(event, Finished):
                 self._active.pop(request_id, None)

@@ -23,9 +23,7 @@ class _Writer:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def metric(
-        self, name: str, kind: str, help_text: str, samples: Iterable[tuple[Mapping[str, str], float]]
-    ) -> None:
+    def metric(self, name: str, kind: str, help_text: str, samples: Iterable[tuple[Mapping[str, str], float]]) -> None:
         full = PREFIX + name + ("_total" if kind == "counter" else "")  # as prometheus_client names counters
         self.lines.append(f"# HELP {full} {help_text}")
         self.lines.append(f"# TYPE {full} {kind}")
@@ -83,9 +81,7 @@ def render(
         [({}, totals.get("tokens_committed", 0) / rounds if rounds else 0.0)],
     )
     w.metric("queue_depth", "gauge", "Requests waiting for the engine thread.", [({}, queue_depth)])
-    w.metric(
-        "active_requests", "gauge", "Requests being decoded.", [({}, (snapshot or {}).get("active_requests", 0))]
-    )
+    w.metric("active_requests", "gauge", "Requests being decoded.", [({}, (snapshot or {}).get("active_requests", 0))])
     w.metric("decode_tokens_per_second", "gauge", "Live decode rate.", [({}, (snapshot or {}).get("live_tok_s", 0.0))])
     w.metric("model_memory_bytes", "gauge", "Bytes of the served model's weights.", [({}, model_bytes)])
     w.metric(

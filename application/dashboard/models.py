@@ -82,7 +82,7 @@ class ModelManager:
         }
 
     def start_download(self, repo_id: str) -> Download:
-        """Start downloading a repo in a background thread (resumes partial files); returns its state."""
+        """Start downloading a repo in a background thread; returns its state (polled for progress)."""
         if not repo_id or repo_id.count("/") != 1:
             raise InvalidRequest(message="a repo id looks like 'owner/name'", param="repo_id")
         job = Download(id=uuid.uuid4().hex[:12], repo_id=repo_id)
@@ -98,7 +98,7 @@ class ModelManager:
                 job.path = self.hub.download(repo_id, progress)
                 job.status = "done"
                 job.done = max(job.done, job.total)
-            except Exception as exc:  # shown to the user; the partial files stay for a resume
+            except Exception as exc:  # shown to the user, who may try again
                 job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
 
         threading.Thread(target=run, name=f"download-{job.id}", daemon=True).start()

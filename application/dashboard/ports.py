@@ -1,34 +1,24 @@
-"""Ports of the dashboard's use cases and the plain values they exchange (adapters implement them)."""
+"""Ports of the dashboard's use cases (adapters implement them); the values they exchange are in the domain."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import attrs
+from mlx_dspark.domain.dashboard import LocalModel, RepoFacts, SessionInfo, StoredMessage
 
-from mlx_dspark.domain.fit import ModelShape
-
-
-@attrs.frozen(kw_only=True)
-class SessionInfo:
-    id: str
-    title: str
-    created: float
-    updated: float
-    settings: Mapping[str, Any] = attrs.field(factory=dict)
-    messages: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class StoredMessage:
-    id: int
-    session_id: str
-    role: str  # "user" | "assistant"
-    content: str
-    thinking: str = ""
-    stats: Mapping[str, Any] = attrs.field(factory=dict)
-    created: float = 0.0
+__all__ = [
+    "LocalModel",
+    "MachineProbe",
+    "ModelCatalog",
+    "ModelHub",
+    "Progress",
+    "RepoFacts",
+    "SessionInfo",
+    "SessionStore",
+    "StoredMessage",
+    "TelemetryFeed",
+]
 
 
 class SessionStore(Protocol):
@@ -38,7 +28,9 @@ class SessionStore(Protocol):
 
     def get(self, session_id: str) -> SessionInfo | None: ...
 
-    def list(self) -> list[SessionInfo]: ...
+    def sessions(self) -> list[SessionInfo]:
+        """Every session, most recently updated first."""
+        ...
 
     def rename(self, session_id: str, title: str) -> bool: ...
 
@@ -92,30 +84,6 @@ class MachineProbe(Protocol):
         ...
 
 
-@attrs.frozen(kw_only=True)
-class LocalModel:
-    name: str  # what `--model` accepts (repo id or path)
-    path: str
-    source: str  # "mlx-dspark cache" | "huggingface cache" | "lm studio" | "embedded"
-    size_bytes: int
-    dtype: str = ""
-    bits: int | None = None
-    context: int | None = None
-    model_type: str = ""
-    drafters: tuple[str, ...] = ()
-
-
-@attrs.frozen(kw_only=True)
-class RepoFacts:
-    """What a fit estimate needs from a hub repo (config + safetensors headers; nothing downloaded)."""
-
-    repo_id: str
-    shape: ModelShape
-    weight_bytes: int
-    files: Mapping[str, int]  # file name → size
-    model_type: str = ""
-
-
 class ModelCatalog(Protocol):
     """Local models on this machine and their deletion."""
 
@@ -135,5 +103,5 @@ class ModelHub(Protocol):
     def facts(self, repo_id: str) -> RepoFacts: ...
 
     def download(self, repo_id: str, progress: Progress | None = None, *, files: Sequence[str] | None = None) -> str:
-        """Download a repo into the Hugging Face cache (resuming partial files); returns the snapshot path."""
+        """Download a repo into the Hugging Face cache; returns the snapshot path."""
         ...

@@ -18,8 +18,8 @@ from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
 from mlx_dspark.application.bootstrap import build_dashboard
-from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.chat_service import ChatService
+from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services

@@ -33,7 +33,9 @@ FLAGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-ARTIFACTS = Path(os.environ.get("MLX_DSPARK_ARTIFACTS") or Path(__file__).resolve().parents[2] / "build" / "test-artifacts")
+ARTIFACTS = Path(
+    os.environ.get("MLX_DSPARK_ARTIFACTS") or Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

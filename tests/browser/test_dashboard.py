@@ -102,8 +102,9 @@ def test_a_download_shows_progress_to_done(page: Any, app: App) -> None:
     from tests.fakes.hub import FakeRepo, safetensors_bytes
 
     config = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8}
-    app.hub.add(FakeRepo(repo_id="fake-org/tiny-download", files={
-        "config.json": json.dumps(config).encode(), "model.safetensors": safetensors_bytes({"w": ("F16", [1024, 1024])})}))  # fmt: skip
+    weights = safetensors_bytes({"w": ("F16", [1024, 1024])})
+    files = {"config.json": json.dumps(config).encode(), "model.safetensors": weights}
+    app.hub.add(FakeRepo(repo_id="fake-org/tiny-download", files=files))
     page.goto("/ui/models")
     wait_ready(page)
     page.fill("#fit-repo", "fake-org/tiny-download")

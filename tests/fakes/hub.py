@@ -80,7 +80,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 q = (parse_qs(url.query).get("search") or [""])[0].lower()
                 limit = int((parse_qs(url.query).get("limit") or ["50"])[0])
                 found = [r for r in hub.repos.values() if q in r.repo_id.lower()][:limit]
-                self._json(200, [{"id": r.repo_id, "modelId": r.repo_id, "downloads": r.downloads, "likes": 0} for r in found])
+                self._json(
+                    200, [{"id": r.repo_id, "modelId": r.repo_id, "downloads": r.downloads, "likes": 0} for r in found]
+                )
                 return
             m = _INFO.match(path)
             if m:
@@ -89,7 +91,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     self._json(404, {"error": "Repository not found"})
                     return
                 siblings = [
-                    {"rfilename": n, "size": repo.listed_sizes.get(n, len(b)), "blobId": hashlib.sha1(b).hexdigest()} for n, b in repo.files.items()
+                    {"rfilename": n, "size": repo.listed_sizes.get(n, len(b)), "blobId": hashlib.sha1(b).hexdigest()}
+                    for n, b in repo.files.items()
                 ]
                 self._json(200, {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha, "siblings": siblings,
                                  "private": False, "downloads": repo.downloads, "tags": []})  # fmt: skip

@@ -118,10 +118,15 @@ def _error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 def _page(request: Request[Any, Any, Any], page: str) -> Template | Response[Any]:
     if not authorized(request):
         return Template(
-            template_name="login.html", context={"pages": PAGES, "page": "login"}, status_code=401, media_type="text/html"
+            template_name="login.html",
+            context={"pages": PAGES, "page": "login"},
+            status_code=401,
+            media_type="text/html",
         )
     return Template(
-        template_name=f"{page}.html", context={"pages": PAGES, "page": page, "title": PAGES[page]}, media_type="text/html"
+        template_name=f"{page}.html",
+        context={"pages": PAGES, "page": page, "title": PAGES[page]},
+        media_type="text/html",
     )
 
 
@@ -296,7 +301,7 @@ def _session_json(info: Any) -> dict[str, Any]:
 
 @get("/ui/api/sessions", sync_to_thread=True)
 def list_sessions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    return [_session_json(s) for s in dashboard(request).sessions.store.list()]
+    return [_session_json(s) for s in dashboard(request).sessions.store.sessions()]
 
 
 @post("/ui/api/sessions", status_code=201)
@@ -335,7 +340,7 @@ def delete_session(request: Request[Any, Any, Any], session_id: str) -> dict[str
 
 
 @get("/ui/api/sessions/{session_id:str}/export", sync_to_thread=True)
-def export_session(request: Request[Any, Any, Any], session_id: str, format: str = "md") -> Response[Any]:  # noqa: A002
+def export_session(request: Request[Any, Any, Any], session_id: str, format: str = "md") -> Response[Any]:
     sessions = dashboard(request).sessions
     if format == "json":
         body = json.dumps(sessions.export_json(session_id), indent=2, ensure_ascii=False)
@@ -493,11 +498,27 @@ def routers() -> list[Router]:
     api = Router(
         path="/",
         route_handlers=[
-            status, prometheus,
-            telemetry_stream, telemetry_snapshot, list_sessions, create_session, get_session, rename_session,
-            delete_session, export_session, chat, run_race, run_roofline, local_models, search_models,
-            fit_estimate, start_download, downloads, delete_model, load_model,
-        ],  # fmt: skip
+            status,
+            prometheus,
+            telemetry_stream,
+            telemetry_snapshot,
+            list_sessions,
+            create_session,
+            get_session,
+            rename_session,
+            delete_session,
+            export_session,
+            chat,
+            run_race,
+            run_roofline,
+            local_models,
+            search_models,
+            fit_estimate,
+            start_download,
+            downloads,
+            delete_model,
+            load_model,
+        ],
         guards=[web_guard],
         exception_handlers={Exception: _error},
     )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,9 @@ CUT = 11_000_000
 @pytest.fixture
 def hub() -> Iterator[FakeHub]:
     fake = FakeHub()
-    fake.add(FakeRepo(repo_id="fake/tiny", files={"config.json": json.dumps(CONFIG).encode(), "model.safetensors": WEIGHTS}))
+    fake.add(
+        FakeRepo(repo_id="fake/tiny", files={"config.json": json.dumps(CONFIG).encode(), "model.safetensors": WEIGHTS})
+    )
     fake.add(FakeRepo(repo_id="fake/other", files={"config.json": b"{}"}))
     with serve(fake):
         yield fake
@@ -60,7 +63,7 @@ def test_a_download_lands_in_the_hub_cache_with_progress(hub: FakeHub, tmp_path:
     assert (path / "model.safetensors").read_bytes() == WEIGHTS
     total = len(WEIGHTS) + len(json.dumps(CONFIG))
     assert seen[0] == (0, total) and seen[-1] == (total, total)
-    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))  # progress only goes forward
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))  # progress only goes forward
     listed = LocalModelCatalog(project_cache=tmp_path / "p", hub_cache=tmp_path, lm_studio=[]).local_models()
     entry = next(m for m in listed if m.name == "fake/tiny")
     assert entry.source == "huggingface cache" and entry.size_bytes == total and entry.context == 2048
@@ -79,11 +82,13 @@ def test_a_download_cut_short_resumes_where_it_stopped(hub: FakeHub, tmp_path: P
 def test_a_failed_download_reports_the_error_and_leaves_no_broken_file(hub: FakeHub, tmp_path: Path) -> None:
     hub.truncate["model.safetensors"] = CUT  # every attempt drops
     client = HfModelHub(hub.url, cache_dir=str(tmp_path))
-    with pytest.raises(ModelUnavailable, match="model.safetensors"):
+    with pytest.raises(ModelUnavailable, match=r"model\.safetensors"):
         client.download("fake/tiny")
     snapshot = next((tmp_path / "models--fake--tiny" / "snapshots").iterdir())
     assert not (snapshot / "model.safetensors").exists()
-    assert "fake/tiny" not in {m.name for m in LocalModelCatalog(project_cache=tmp_path, hub_cache=tmp_path, lm_studio=[]).local_models()}
+    assert "fake/tiny" not in {
+        m.name for m in LocalModelCatalog(project_cache=tmp_path, hub_cache=tmp_path, lm_studio=[]).local_models()
+    }
     del hub.truncate["model.safetensors"]  # the hub recovers: trying again completes
     path = Path(client.download("fake/tiny"))
     assert (path / "model.safetensors").read_bytes() == WEIGHTS

@@ -21,7 +21,7 @@ def test_sessions_and_messages_round_trip(tmp_path: Path) -> None:
     b = store.create("second")
     store.append(a.id, "user", "hello")
     m = store.append(a.id, "assistant", "hi!", thinking="greet", stats={"tok_s": 12.5})
-    assert [s.id for s in store.list()] == [a.id, b.id]  # most recently updated first
+    assert [s.id for s in store.sessions()] == [a.id, b.id]  # most recently updated first
     got = store.messages(a.id)
     assert [(x.role, x.content) for x in got] == [("user", "hello"), ("assistant", "hi!")]
     assert got[1].thinking == "greet" and got[1].stats == {"tok_s": 12.5} and got[1].id == m.id

@@ -42,7 +42,9 @@ def test_pages_render_with_the_header_gauge(web: WebServer) -> None:
 def test_a_chat_turn_streams_and_both_messages_are_saved(web: WebServer) -> None:
     session = httpx.post(web.base_url + "/ui/api/sessions", json={"title": ""}).json()
     options = {"max_tokens": 40, "mode": "lookup", "system": "Be brief."}
-    events = post_stream(web.base_url, f"/ui/api/sessions/{session['id']}/chat", {"content": "Say it.", "options": options})
+    events = post_stream(
+        web.base_url, f"/ui/api/sessions/{session['id']}/chat", {"content": "Say it.", "options": options}
+    )
     text = "".join(e["text"] for e in events if e["type"] == "text")
     assert text and REPLY.startswith(text)
     done = [e for e in events if e["type"] == "done"]
@@ -55,8 +57,10 @@ def test_a_chat_turn_streams_and_both_messages_are_saved(web: WebServer) -> None
     assert saved["messages"][1]["content"] == text and saved["messages"][1]["stats"]["mode"] == "lookup"
     assert saved["title"] == "Say it." and saved["settings"]["system"] == "Be brief."
     # a second turn sees the history and reuses the cached prompt prefix
-    events = post_stream(web.base_url, f"/ui/api/sessions/{session['id']}/chat", {"content": "Again.", "options": options})
-    assert [e for e in events if e["type"] == "done"][0]["stats"]["cached_prompt_tokens"] > 0
+    events = post_stream(
+        web.base_url, f"/ui/api/sessions/{session['id']}/chat", {"content": "Again.", "options": options}
+    )
+    assert next(e for e in events if e["type"] == "done")["stats"]["cached_prompt_tokens"] > 0
 
 
 def test_sessions_are_listed_renamed_exported_and_deleted(web: WebServer) -> None:
@@ -142,7 +146,9 @@ def test_metrics_parse_as_prometheus_text_and_count_requests(web: WebServer) -> 
     assert value(after, "mlx_dspark_requests") - value(before, "mlx_dspark_requests") == 2  # two lanes
     assert value(after, "mlx_dspark_generated_tokens") - value(before, "mlx_dspark_generated_tokens") == 60
     assert value(after, "mlx_dspark_accepted_tokens") > value(before, "mlx_dspark_accepted_tokens")
-    assert value(after, "mlx_dspark_cache_hits") > value(before, "mlx_dspark_cache_hits")  # lane 2 reuses lane 1's prompt
+    assert value(after, "mlx_dspark_cache_hits") > value(
+        before, "mlx_dspark_cache_hits"
+    )  # lane 2 reuses lane 1's prompt
     for name in ("mlx_dspark_queue_depth", "mlx_dspark_memory_bytes", "mlx_dspark_acceptance_ratio", "mlx_dspark_up"):
         assert name in after
     assert value(after, "mlx_dspark_up") == 1.0
@@ -179,7 +185,29 @@ def test_the_api_key_guards_pages_api_and_metrics(keyed: WebServer) -> None:
 def test_sessions_survive_a_server_restart(tmp_path: Path) -> None:
     for server in make_web_server(tmp_path):
         sid = httpx.post(server.base_url + "/ui/api/sessions", json={"title": "Keep"}).json()["id"]
-        post_stream(server.base_url, f"/ui/api/sessions/{sid}/chat", {"content": "Remember", "options": {"max_tokens": 6}})
+        post_stream(
+            server.base_url, f"/ui/api/sessions/{sid}/chat", {"content": "Remember", "options": {"max_tokens": 6}}
+        )
     for server in make_web_server(tmp_path):
         saved = httpx.get(f"{server.base_url}/ui/api/sessions/{sid}").json()
-        assert saved["title"] == "Keep" and [m["content"] for m in saved["messages"]][0] == "Remember"
+        assert saved["title"] == "Keep" and next(m["content"] for m in saved["messages"]) == "Remember"
+
+
+def test_top_prints_the_gauge_of_a_running_server(web: WebServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlx_dspark.entrypoints.cli import top
+
+    post_stream(web.base_url, "/ui/api/race", {"prompt": "Top.", "modes": ["lookup"], "max_tokens": 30})
+    assert top.main(["--url", web.base_url, "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "local-model" in out and "mode baseline" in out and "[ready]" in out
+    assert "tok/s" in out and "last request" in out and "acceptance" in out and "%" in out
+    assert top.main(["--url", "http://127.0.0.1:9", "--once"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_top_honours_the_api_key(keyed: WebServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlx_dspark.entrypoints.cli import top
+
+    assert top.main(["--url", keyed.base_url, "--once"]) == 1
+    assert "api-key" in capsys.readouterr().err
+    assert top.main(["--url", keyed.base_url, "--once", "--api-key", "sekrit"]) == 0

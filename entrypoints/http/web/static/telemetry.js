@@ -45,14 +45,14 @@
     } else if (ev.type === "request") {
       log(`request ${ev.request_id} started`);
     } else if (ev.type === "prefill") {
-      log(`request ${ev.request_id} prefilled in ${(ev.prefill_s * 1000).toFixed(1)} ms`);
+      log(`request ${ev.request_id}: prompt prefilled, first token out`);
     } else if (ev.type === "cap") {
       log(`cap ${ev.old} → ${ev.new} (${ev.reason})`);
     } else if (ev.type === "finished") {
       requests[ev.request_id] = ev; reqOrder.push(ev.request_id);
       $("k-requests").textContent = (+$("k-requests").textContent || 0) + 1;
       if (ev.cached_prompt_tokens) $("k-cache").textContent = (+$("k-cache").textContent || 0) + 1;
-      log(`request ${ev.request_id}: ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens`);
+      log(`request ${ev.request_id}: prefill ${(ev.prefill_s * 1000).toFixed(1)} ms, ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens`);
     }
     schedule();
   }
