@@ -211,3 +211,75 @@ def test_top_honours_the_api_key(keyed: WebServer, capsys: pytest.CaptureFixture
     assert top.main(["--url", keyed.base_url, "--once"]) == 1
     assert "api-key" in capsys.readouterr().err
     assert top.main(["--url", keyed.base_url, "--once", "--api-key", "sekrit"]) == 0
+
+
+def test_the_fit_estimate_of_a_hub_repo_matches_hand_computed_bytes(web: WebServer) -> None:
+    from tests.integration.web.conftest import fit_weight_bytes
+
+    r = httpx.get(web.base_url + "/ui/api/models/fit", params={"repo": "fake-org/llama-8b-shaped"}).json()
+    weights = fit_weight_bytes()
+    assert r["weights"] == weights == 16_059_990_016 and r["download_bytes"] >= weights
+    overhead = 512 * (1 << 20) + int(0.05 * weights)
+    assert [(row["context"], row["kv_cache"], row["total"]) for row in r["rows"]] == [
+        (4096, 512 * (1 << 20), weights + 512 * (1 << 20) + overhead),
+        (8192, 1 << 30, weights + (1 << 30) + overhead),
+    ]
+    usable = r["usable"]["bytes"]
+    for row in r["rows"]:
+        expected = "green" if row["total"] <= 0.8 * usable else "yellow" if row["total"] <= usable else "red"
+        assert row["verdict"] == expected
+    missing = httpx.get(web.base_url + "/ui/api/models/fit", params={"repo": "fake-org/nothing"})
+    assert missing.status_code in (400, 503) and "not found" in missing.json()["error"]
+
+
+def test_download_list_and_delete_a_model_through_the_api(tmp_path: Path) -> None:
+    import time
+
+    from tests.fakes.hub import FakeRepo, safetensors_bytes
+    from tests.integration.web.conftest import fake_hub
+
+    hub = fake_hub()
+    config = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8}
+    files = {
+        "config.json": json.dumps(config).encode(),
+        "model.safetensors": safetensors_bytes({"w": ("F16", [64, 64])}),
+    }
+    hub.add(FakeRepo(repo_id="fake-org/small", files=files))
+    for server in make_web_server(tmp_path, hub=hub):
+        job = httpx.post(server.base_url + "/ui/api/models/download", json={"repo_id": "fake-org/small"}).json()
+        for _ in range(200):
+            state = {d["id"]: d for d in httpx.get(server.base_url + "/ui/api/models/downloads").json()}[job["id"]]
+            if state["status"] in ("done", "failed"):
+                break
+            time.sleep(0.05)
+        assert state["status"] == "done" and state["done"] == state["total"] == sum(len(b) for b in files.values())
+        local = {m["name"]: m for m in httpx.get(server.base_url + "/ui/api/models/local").json()}
+        assert local["fake-org/small"]["source"] == "huggingface cache"
+        bad = httpx.post(server.base_url + "/ui/api/models/delete", json={"path": "/etc"})
+        assert bad.status_code == 400
+        ok = httpx.post(server.base_url + "/ui/api/models/delete", json={"path": local["fake-org/small"]["path"]})
+        assert ok.status_code == 200
+        assert "fake-org/small" not in {m["name"] for m in httpx.get(server.base_url + "/ui/api/models/local").json()}
+        assert not (server.hf_cache / "models--fake-org--small").exists()
+        bad_id = httpx.post(server.base_url + "/ui/api/models/download", json={"repo_id": "no-slash"})
+        assert bad_id.status_code == 400
+
+
+def test_switching_the_served_mode_goes_through_the_engine(tmp_path: Path) -> None:
+    for server in make_web_server(tmp_path):
+        r = httpx.post(
+            server.base_url + "/ui/api/models/load", json={"model": "local-model", "mode": "lookup"}, timeout=60
+        )
+        assert r.status_code == 200 and r.json() == {"ok": True, "model": "local-model", "mode": "lookup"}
+        status = httpx.get(server.base_url + "/ui/api/status").json()
+        assert status["mode"] == "lookup"
+        # the API now decodes with lookup drafts too (same engine, same generator)
+        body = {"model": "local-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 30}
+        assert httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        rounds = [e for _, e in server.recorder.events if isinstance(e, RoundFinished)]
+        assert rounds[-1].source == "lookup" or any(e.source == "lookup" for e in rounds)
+        bad = httpx.post(
+            server.base_url + "/ui/api/models/load", json={"model": "local-model", "mode": "dflash"}, timeout=60
+        )
+        assert bad.status_code >= 400 and "dflash" in bad.json()["error"]
+        assert httpx.get(server.base_url + "/ui/api/status").json()["mode"] == "lookup"  # a failed switch keeps it
