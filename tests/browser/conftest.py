@@ -51,7 +51,7 @@ class App:
     hub: FakeHub
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down after the browser tier, not at the end of the suite
 def chromium() -> Iterator[Any]:
     if not CHROMIUM.exists():
         if os.environ.get("MLX_DSPARK_REQUIRE_BROWSER") == "1":
@@ -67,7 +67,7 @@ def chromium() -> Iterator[Any]:
             browser.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down after the browser tier, not at the end of the suite
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
     from mlx_dspark.adapters.hf.hub import HfModelHub
