@@ -89,13 +89,15 @@ def fake_hub() -> FakeHub:
     return hub
 
 
-def make_web_server(tmp: Path, *, api_key: str | None = None, hub: FakeHub | None = None) -> Iterator[WebServer]:
+def make_web_server(
+    tmp: Path, *, api_key: str | None = None, hub: FakeHub | None = None, reply: str = REPLY
+) -> Iterator[WebServer]:
     from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
     from mlx_dspark.adapters.hf.hub import HfModelHub
 
     hub = hub or fake_hub()
     with serve(hub):
-        loader = DraftingLoader(lambda _prompt: REPLY, name="local-model", context_window=4096)
+        loader = DraftingLoader(lambda _prompt: reply, name="local-model", context_window=1 << 16)
         flags = {"mode": "baseline", "max_draft": "4", "api_key": api_key}
         settings = load_settings({k: v for k, v in flags.items() if v is not None}, environ={})
         recorder = RecordingTelemetrySink()

@@ -283,3 +283,25 @@ def test_switching_the_served_mode_goes_through_the_engine(tmp_path: Path) -> No
         )
         assert bad.status_code >= 400 and "dflash" in bad.json()["error"]
         assert httpx.get(server.base_url + "/ui/api/status").json()["mode"] == "lookup"  # a failed switch keeps it
+
+
+def test_a_reply_cut_off_by_the_client_is_saved_as_far_as_it_went(tmp_path: Path) -> None:
+    long_reply = " ".join(f"word{i}" for i in range(20000))
+    for server in make_web_server(tmp_path, reply=long_reply):
+        sid = httpx.post(server.base_url + "/ui/api/sessions", json={}).json()["id"]
+        body = {"content": "Talk a lot.", "options": {"max_tokens": 30000}}
+        with httpx.stream("POST", f"{server.base_url}/ui/api/sessions/{sid}/chat", json=body, timeout=60) as r:
+            first = next(sse(r))
+        assert first["type"] == "text"  # the client hangs up after the first delta
+        import time
+
+        for _ in range(200):
+            messages = httpx.get(f"{server.base_url}/ui/api/sessions/{sid}").json()["messages"]
+            if len(messages) == 2:
+                break
+            time.sleep(0.05)
+        user, reply = messages
+        assert user["content"] == "Talk a lot."
+        assert reply["stats"]["outcome"] == "cancelled" and long_reply.startswith(reply["content"])
+        assert 0 < len(reply["content"]) < len(long_reply)
+        assert httpx.get(server.base_url + "/ui/api/status").json()["queue_depth"] == 0
