@@ -36,6 +36,7 @@ PAGES = {
     "race": "Race",
 }
 KEEPALIVE_S = 10.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def dashboard(request: Request[Any, Any, Any]) -> Dashboard:
@@ -81,7 +82,7 @@ def job_stream(
             if on_end is not None:
                 await asyncio.shield(asyncio.ensure_future(_call(on_end, outcome)))
 
-    return Stream(frames, media_type="text/event-stream", headers=support.SSE_HEADERS)
+    return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _call(fn: Callable[[str], Any], outcome: str) -> None:
@@ -244,7 +245,7 @@ async def prometheus(request: Request[Any, Any, Any]) -> Response[str]:
         queue_depth=engine.queue_depth,
         memory=d.probe.memory_in_use(),
         model_bytes=await _model_bytes(request),
-        http_streams=dict(ctx.stream_outcomes),
+        http_streams=dict(getattr(ctx, "stream_outcomes", {})),
     )
     return Response(content=body, media_type=metrics.CONTENT_TYPE)
 
@@ -283,7 +284,7 @@ async def telemetry_stream(request: Request[Any, Any, Any], replay: int = 200) -
         finally:
             unsubscribe()
 
-    return Stream(frames, media_type="text/event-stream", headers=support.SSE_HEADERS)
+    return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @get("/ui/api/telemetry/snapshot")
