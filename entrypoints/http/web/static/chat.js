@@ -118,6 +118,7 @@
     $("export-json").onclick = () => current && (location.href = `/ui/api/sessions/${current.id}/export?format=json`);
     document.addEventListener("status", (e) => {
       const sel = $("mode");
+      sel.options[0].textContent = `served (${e.detail.mode})`;
       if (sel.options.length > 1) return;
       for (const m of e.detail.modes) if (m === "baseline" || m === "lookup" || (e.detail.drafters || []).includes(m)) sel.append(el("option", {value: m}, m));
       if (current && current.settings && current.settings.mode) sel.value = current.settings.mode;

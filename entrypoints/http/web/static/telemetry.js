@@ -4,6 +4,7 @@
   const $ = (id) => document.getElementById(id);
   const MAX_POINTS = 300;
   let charts = {}, n = 0, hist = {}, requests = {}, reqOrder = [], updated = 0, drafted = 0, accepted = 0;
+  const tried = [], hits = [], sources = {};
   function line(id, label, color, stepped) {
     return new Chart($(id), {type: "line", data: {labels: [], datasets: [{label, data: [], borderColor: color,
       backgroundColor: color + "33", fill: true, pointRadius: 0, borderWidth: 1.5, stepped: !!stepped, tension: 0}]},
@@ -23,6 +24,12 @@
     charts.time.data.datasets[0].data = ids.map((id) => (requests[id].prefill_s || 0) * 1000);
     charts.time.data.datasets[1].data = ids.map((id) => (requests[id].decode_s || 0) * 1000);
     charts.time.update("none");
+    charts.position.data.labels = tried.map((_, i) => String(i + 1));
+    charts.position.data.datasets[0].data = tried.map((t, i) => (t ? (100 * hits[i]) / t : 0));
+    charts.position.update("none");
+    charts.source.data.labels = Object.keys(sources);
+    charts.source.data.datasets[0].data = Object.values(sources);
+    charts.source.update("none");
     document.body.dataset.updates = String(++updated);
   }
   let pending = false;
@@ -39,6 +46,8 @@
       push(charts.cap, n, ev.cap);
       if (ev.drafted) hist[ev.accepted] = (hist[ev.accepted] || 0) + 1;
       drafted += ev.drafted; accepted += ev.accepted;
+      ev.positions.forEach((ok, i) => { tried[i] = (tried[i] || 0) + 1; hits[i] = (hits[i] || 0) + ok; });
+      sources[ev.source] = (sources[ev.source] || 0) + 1;
       if (drafted) $("k-accept").textContent = ((accepted / drafted) * 100).toFixed(1) + "%";
       $("k-rounds").textContent = (+$("k-rounds").textContent || 0) + 1;
       $("k-batch").textContent = ev.batch;
@@ -68,6 +77,10 @@
     charts.time = new Chart($("chart-time"), {type: "bar", data: {labels: [], datasets: [
       {label: "prefill ms", data: [], backgroundColor: "#f5c04a"}, {label: "decode ms", data: [], backgroundColor: "#6ea8fe"}]},
       options: {scales: {x: {stacked: true}, y: {stacked: true, beginAtZero: true}}}});
+    charts.position = new Chart($("chart-position"), {type: "bar", data: {labels: [], datasets: [{label: "accepted %", data: [], backgroundColor: "#a78bfa"}]},
+      options: {plugins: {legend: {display: false}}, scales: {x: {title: {display: true, text: "draft position (tried rounds only)"}}, y: {beginAtZero: true, max: 100}}}});
+    charts.source = new Chart($("chart-source"), {type: "doughnut", data: {labels: [], datasets: [{data: [],
+      backgroundColor: ["#6ea8fe", "#3ecf8e", "#a78bfa", "#f5c04a", "#f87171"]}]}, options: {plugins: {legend: {position: "right"}}}});
     const source = new EventSource("/ui/api/telemetry/stream?replay=500");
     source.onmessage = (m) => onEvent(JSON.parse(m.data));
     document.addEventListener("status", (e) => applyTotals(e.detail));
