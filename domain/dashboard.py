@@ -7,7 +7,13 @@ from typing import Any
 
 import attrs
 
+from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.fit import ModelShape
+
+
+@attrs.define(auto_exc=True, kw_only=True)
+class SessionNotFound(InvalidRequest):
+    """No saved session has this id (answered with 404)."""
 
 
 @attrs.frozen(kw_only=True)

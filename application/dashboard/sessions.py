@@ -18,6 +18,7 @@ from mlx_dspark.application.dashboard.modes import ModeSet
 from mlx_dspark.application.dashboard.ports import SessionInfo, SessionStore, StoredMessage, TelemetryFeed
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.chat import ChatRequest, Conversation, Message, Role
+from mlx_dspark.domain.dashboard import SessionNotFound
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.tokens import SamplingParams
 
@@ -92,16 +93,17 @@ class SessionService:
         return self.store.create(title.strip() or "New chat", settings)
 
     def require(self, session_id: str) -> SessionInfo:
+        """The session, or SessionNotFound."""
         info = self.store.get(session_id)
         if info is None:
-            raise KeyError(session_id)
+            raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
         return info
 
     def begin_turn(self, session_id: str, text: str, options: TurnOptions) -> ChatRequest:
         """Commit the user's message and the settings, and build the request from the whole history.
 
         Raises:
-            KeyError: no such session.
+            SessionNotFound: no such session.
             InvalidRequest: an empty message or bad sampling settings.
         """
         if not text.strip():
@@ -145,8 +147,14 @@ class SessionService:
             )
         return out
 
-    def finish_turn(self, session_id: str, text: str, thinking: str, stats: Mapping[str, Any]) -> StoredMessage:
-        return self.store.append(session_id, "assistant", text, thinking=thinking, stats=stats)
+    def finish_turn(
+        self, session_id: str, text: str, thinking: str, stats: Mapping[str, Any]
+    ) -> StoredMessage | None:
+        """Save the reply (None when the session was deleted while the reply streamed)."""
+        try:
+            return self.store.append(session_id, "assistant", text, thinking=thinking, stats=stats)
+        except KeyError:
+            return None
 
     def export_json(self, session_id: str) -> dict[str, Any]:
         info = self.require(session_id)

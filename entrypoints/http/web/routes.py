@@ -22,7 +22,8 @@ from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.dashboard.sessions import TurnOptions
 from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.chat import ReasoningDelta, TextDelta, ToolCallEnd, TurnFinished
-from mlx_dspark.domain.errors import DomainError, InvalidRequest
+from mlx_dspark.domain.dashboard import SessionNotFound
+from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable
 from mlx_dspark.entrypoints.http import support
 from mlx_dspark.entrypoints.http.web import STATIC
 from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, server_key, web_guard
@@ -103,12 +104,13 @@ def _error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         return Response(content={"error": "invalid or missing API key"}, status_code=401)
     if isinstance(exc, HTTPException):
         return Response(content={"error": str(exc.detail)}, status_code=exc.status_code)
-    if isinstance(exc, KeyError):
-        return Response(content={"error": f"not found: {exc.args[0] if exc.args else ''}"}, status_code=404)
+    if isinstance(exc, SessionNotFound):
+        return Response(content={"error": exc.message}, status_code=404)
     if isinstance(exc, InvalidRequest):
         return Response(content={"error": exc.message, "param": exc.param}, status_code=400)
     if isinstance(exc, DomainError):
-        return Response(content={"error": str(exc)}, status_code=503 if "load" in str(exc) else 400)
+        status = 503 if isinstance(exc, CapacityExceeded) else 404 if isinstance(exc, ModelUnavailable) else 400
+        return Response(content={"error": str(exc)}, status_code=status)
     log.error("web.error", error=repr(exc), exc_info=exc)
     return Response(content={"error": "internal error"}, status_code=500)
 
@@ -329,14 +331,14 @@ async def rename_session(request: Request[Any, Any, Any], session_id: str) -> di
         raise InvalidRequest(message="the title is empty", param="title")
     store = dashboard(request).sessions.store
     if not await asyncio.to_thread(store.rename, session_id, title):
-        raise KeyError(session_id)
+        raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
     return {"ok": True}
 
 
 @delete("/ui/api/sessions/{session_id:str}", status_code=200, sync_to_thread=True)
 def delete_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
     if not dashboard(request).sessions.store.delete(session_id):
-        raise KeyError(session_id)
+        raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
     return {"ok": True}
 
 
