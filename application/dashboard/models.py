@@ -12,9 +12,9 @@ from typing import Any
 
 import attrs
 
-from mlx_dspark.application.services import Services
 from mlx_dspark.application.dashboard.ports import MachineProbe, ModelCatalog, ModelHub
 from mlx_dspark.application.generation import GenerationService
+from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain import fit
 from mlx_dspark.domain.errors import InvalidRequest

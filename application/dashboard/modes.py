@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from mlx_dspark.application.services import Services
 from mlx_dspark.application.generation import GenerationService
+from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import MODES, Settings
 from mlx_dspark.domain.errors import InvalidRequest
 

@@ -101,7 +101,7 @@ def race(
                     mean_accepted=r.mean_accepted,
                     drafted=r.drafted,
                     accepted=r.accepted,
-                    finish_reason=r.finish_reason,
+                    finish_reason=r.finish_reason.value,
                 )
             else:
                 yield LaneText(mode=mode, text=event.text, token_ids=event.token_ids)

@@ -8,7 +8,8 @@ from typing import Any
 import attrs
 
 from mlx_dspark.application.dashboard.race import LaneVerdict, RaceVerdict, compare, race
-from mlx_dspark.application.generation import GenerationDone, GenerationResult, TextDelta
+from mlx_dspark.application.generation import GenerationDone, GenerationResult, TextChunk
+from mlx_dspark.domain.tokens import FinishReason
 
 
 def test_compare_finds_the_first_difference() -> None:
@@ -39,10 +40,18 @@ class _Gen:
 
     def stream(self, request: Any) -> Iterator[Any]:
         for t in self.ids:
-            yield TextDelta(text=f"t{t}", token_ids=(t,))
+            yield TextChunk(text=f"t{t}", token_ids=(t,))
         fields = {f.name: 0 for f in attrs.fields(GenerationResult)}
-        fields.update(text="", token_ids=tuple(self.ids), finish_reason="length", stop_sequence=None, mode=self.mode,
-                      generated_tokens=len(self.ids), mean_accepted=1.0, tokens_per_second=1.0)  # fmt: skip
+        fields.update(
+            text="",
+            token_ids=tuple(self.ids),
+            finish_reason=FinishReason.LENGTH,
+            stop_sequence=None,
+            mode=self.mode,
+            generated_tokens=len(self.ids),
+            mean_accepted=1.0,
+            tokens_per_second=1.0,
+        )
         yield GenerationDone(result=GenerationResult(**fields))
 
 
