@@ -133,7 +133,7 @@ def build_dashboard(
     Args:
         services: the wired services (their telemetry is the live feed when it broadcasts).
         settings: defaults to services.settings.
-        session_db: the SQLite file (default: sessions.sqlite3 in the mlx-dspark cache folder).
+        session_db: the SQLite file (default: $MLX_DSPARK_SESSION_DB, else sessions.sqlite3 in the cache folder).
         hub_endpoint: the hub's base URL (default: HF_ENDPOINT, else huggingface.co).
         catalog, hub, probe: replacements (tests).
     """
@@ -151,7 +151,8 @@ def build_dashboard(
 
     settings = settings or services.settings
     root = cache_root(settings.model.cache_dir)
-    store = SqliteSessionStore(session_db or os.path.join(root, "sessions.sqlite3"))
+    db = session_db or os.environ.get("MLX_DSPARK_SESSION_DB") or os.path.join(root, "sessions.sqlite3")
+    store = SqliteSessionStore(db)
     feed = services.telemetry if isinstance(services.telemetry, BroadcastTelemetrySink) else None
     modes = ModeSet(services, settings)
     machine = probe or MlxMachineProbe()

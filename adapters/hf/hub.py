@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mlx_dspark.adapters.hf.resolve import hf_offline
 from mlx_dspark.domain import fit
 from mlx_dspark.domain.dashboard import RepoFacts
 from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
@@ -43,9 +44,18 @@ class HfModelHub:
     def _api(self) -> Any:
         from huggingface_hub import HfApi
 
+        self._online()
         return HfApi(endpoint=self.endpoint, token=self._token)
 
+    def _online(self) -> None:
+        if hf_offline():
+            raise ModelUnavailable(message="the hub is off: HF_HUB_OFFLINE is set")
+
     def search(self, query: str, limit: int = 20) -> list[dict[str, Any]]:
+        """Repos whose id contains `query` (an empty query asks nothing and finds nothing)."""
+        if not query.strip():
+            return []
+        self._online()
         try:
             models = self._api().list_models(search=query or None, limit=limit)
             return [
@@ -58,6 +68,7 @@ class HfModelHub:
     def _info(self, repo_id: str) -> Any:
         if not repo_id or repo_id.count("/") != 1:
             raise InvalidRequest(message="a repo id looks like 'owner/name'", param="repo_id")
+        self._online()
         try:
             return self._api().model_info(repo_id, files_metadata=True)
         except Exception as exc:
@@ -67,6 +78,7 @@ class HfModelHub:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session
 
+        self._online()
         url = hf_hub_url(repo_id, filename, revision=revision, endpoint=self.endpoint)
         headers = build_hf_headers(token=self._token)
         if byte_range is not None:

@@ -153,13 +153,17 @@ class BroadcastTelemetrySink:
 
     # ---- TelemetryFeed ----------------------------------------------------------------------------------
 
-    def subscribe(self, listener: Listener, *, replay: int = 0) -> Callable[[], None]:
+    def subscribe(self, listener: Listener, *, replay: int = 0, after: int | None = None) -> Callable[[], None]:
         """Call `listener` with every new event (from the emitting thread); returns the unsubscribe function.
 
-        `replay` recent events are delivered first, in order.
+        Recent events are delivered first, in order: those numbered past `after` (a reconnecting client's
+        last seen `seq`), else the last `replay` ones.
         """
         with self._lock:
-            backlog = list(self._recent)[-replay:] if replay else []
+            if after is not None:
+                backlog = [e for e in self._recent if e["seq"] > after]
+            else:
+                backlog = list(self._recent)[-replay:] if replay else []
             self._listeners.append(listener)
         for item in backlog:
             listener(item)

@@ -57,7 +57,9 @@ Listener = Callable[[dict[str, Any]], None]
 class TelemetryFeed(Protocol):
     """Live decode events as JSON-ready dicts (see adapters.telemetry.broadcast)."""
 
-    def subscribe(self, listener: Listener, *, replay: int = 0) -> Callable[[], None]: ...
+    def subscribe(self, listener: Listener, *, replay: int = 0, after: int | None = None) -> Callable[[], None]:
+        """Deliver recent events (numbered past `after`, else the last `replay`), then every new one."""
+        ...
 
     def summary(self, request_id: str) -> dict[str, Any] | None: ...
 

@@ -28,6 +28,8 @@ def measure(
     bandwidth_bytes: int = 256 << 20,
 ) -> Iterator[dict[str, Any]]:
     """Engine-thread job: status lines, then one result {bandwidth, model_bytes, ceiling_tok_s, lanes}."""
+    for mode in ("baseline", *lanes):  # fail before the benchmark when a mode cannot run here
+        modes.get(served, mode)
     yield {"type": "status", "text": "measuring memory bandwidth (MLX copy)"}
     bw = probe.bandwidth(bandwidth_bytes)
     model_bytes = probe.model_bytes(served.model.handle)

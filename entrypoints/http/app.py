@@ -26,6 +26,7 @@ from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.entrypoints.http import routes_anthropic, routes_openai_chat, routes_openai_responses, support, web
 from mlx_dspark.entrypoints.http.web import routes as web_routes
+from mlx_dspark.entrypoints.http.web.auth import web_guard
 
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 DEFAULT_KEEPALIVE_S = 5.0
@@ -108,7 +109,7 @@ def create_app(
             routes_openai_chat.router(),
             routes_openai_responses.router(),
             *web_routes.routers(),
-            create_static_files_router(path="/static", directories=[web.STATIC], name="static"),
+            create_static_files_router(path="/static", directories=[web.STATIC], name="static", guards=[web_guard]),
         ],
         template_config=TemplateConfig(directory=web.TEMPLATES, engine=JinjaTemplateEngine),
         lifespan=[lifespan],

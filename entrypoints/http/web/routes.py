@@ -25,8 +25,7 @@ from mlx_dspark.domain.chat import ReasoningDelta, TextDelta, ToolCallEnd, TurnF
 from mlx_dspark.domain.dashboard import SessionNotFound
 from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable
 from mlx_dspark.entrypoints.http import support
-from mlx_dspark.entrypoints.http.web import STATIC
-from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, server_key, web_guard
+from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, offered_key, server_key, web_guard
 
 log = structlog.get_logger("mlx_dspark.web")
 PAGES = {
@@ -37,6 +36,7 @@ PAGES = {
     "race": "Race",
 }
 KEEPALIVE_S = 10.0
+TELEMETRY_IDLE_S = 8.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -133,10 +133,6 @@ def _page(request: Request[Any, Any, Any], page: str) -> Template | Response[Any
     )
 
 
-@get("/favicon.ico", sync_to_thread=False, include_in_schema=False)
-def favicon() -> Response[bytes]:
-    return Response(content=(STATIC / "favicon.svg").read_bytes(), media_type="image/svg+xml")
-
 
 @get(["/ui", "/ui/chat"], sync_to_thread=False, include_in_schema=False)
 def chat_page(request: Request[Any, Any, Any]) -> Any:
@@ -173,7 +169,7 @@ async def login(request: Request[Any, Any, Any]) -> Response[Any]:
     """Trade the API key for an HttpOnly, SameSite=Strict cookie."""
     body = await _json(request)
     key = server_key(request)
-    offered = str(body.get("key") or "")
+    offered = str(body.get("key") or "") or offered_key(request)  # a client may also log in with its header
     if key is not None and not hmac.compare_digest(offered.encode(), key.encode()):
         return Response(content={"error": "wrong key"}, status_code=401)
     response: Response[Any] = Response(content={"ok": True})
@@ -257,10 +253,17 @@ async def prometheus(request: Request[Any, Any, Any]) -> Response[str]:
 
 @get("/ui/api/telemetry/stream")
 async def telemetry_stream(request: Request[Any, Any, Any], replay: int = 200) -> Stream:
-    """Live decode events (SSE): request, prefill, round, cap, finished; recent ones replayed first."""
+    """Live decode events (SSE, `id:` = the event's seq): request, prefill, round, cap, finished.
+
+    Recent events are replayed first (`Last-Event-ID` resumes a reconnecting browser exactly where it left off).
+    The stream ends after TELEMETRY_IDLE_S without events and EventSource reconnects a second later, so an
+    idle stream holds no connection open and a plain HTTP client reading it to the end gets an answer.
+    """
     feed = dashboard(request).feed
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=5000)
+    last_id = request.headers.get("last-event-id", "")
+    after = int(last_id) if last_id.isdigit() else None
 
     def listener(item: dict[str, Any]) -> None:
         def put() -> None:
@@ -269,20 +272,22 @@ async def telemetry_stream(request: Request[Any, Any, Any], replay: int = 200) -
 
         loop.call_soon_threadsafe(put)
 
+    def frame(item: dict[str, Any]) -> bytes:
+        return f"id: {item['seq']}\n".encode() + _sse(item)
+
     async def frames() -> AsyncIterator[bytes]:
         if feed is None:
             yield _sse({"type": "error", "message": "telemetry is not available on this server"})
             return
-        unsubscribe = feed.subscribe(listener, replay=max(0, min(replay, 2000)))
+        unsubscribe = feed.subscribe(listener, replay=max(0, min(replay, 2000)), after=after)
         try:
-            yield _sse({"type": "hello", "snapshot": feed.snapshot()})
+            yield b"retry: 1000\n" + _sse({"type": "hello", "snapshot": feed.snapshot()})
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    item = await asyncio.wait_for(queue.get(), TELEMETRY_IDLE_S)
                 except TimeoutError:
-                    yield b": keep-alive\n\n"
-                    continue
-                yield _sse(item)
+                    return
+                yield frame(item)
         finally:
             unsubscribe()
 
@@ -495,7 +500,7 @@ def routers() -> list[Router]:
     """Pages and login (which answer a missing key with the login page) and the guarded API routes."""
     pages = Router(
         path="/",
-        route_handlers=[chat_page, models_page, telemetry_page, roofline_page, race_page, login, favicon],
+        route_handlers=[chat_page, models_page, telemetry_page, roofline_page, race_page, login],
         exception_handlers={Exception: _error},
     )
     api = Router(

@@ -92,3 +92,16 @@ def test_a_failed_download_reports_the_error_and_leaves_no_broken_file(hub: Fake
     del hub.truncate["model.safetensors"]  # the hub recovers: trying again completes
     path = Path(client.download("fake/tiny"))
     assert (path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_hf_hub_offline_stops_every_hub_call(hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    client = HfModelHub(hub.url, cache_dir=str(tmp_path))
+    for call in (
+        lambda: client.search("tiny"),
+        lambda: client.facts("fake/tiny"),
+        lambda: client.download("fake/tiny"),
+    ):
+        with pytest.raises(ModelUnavailable, match="HF_HUB_OFFLINE"):
+            call()
+    assert hub.requests == [] and client.search("") == []

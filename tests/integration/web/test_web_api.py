@@ -305,3 +305,16 @@ def test_a_reply_cut_off_by_the_client_is_saved_as_far_as_it_went(tmp_path: Path
         assert reply["stats"]["outcome"] == "cancelled" and long_reply.startswith(reply["content"])
         assert 0 < len(reply["content"]) < len(long_reply)
         assert httpx.get(server.base_url + "/ui/api/status").json()["queue_depth"] == 0
+
+
+def test_an_idle_telemetry_stream_ends_and_resumes_after_the_last_event_id(web: WebServer) -> None:
+    post_stream(web.base_url, "/ui/api/race", {"prompt": "Resume.", "modes": ["lookup"], "max_tokens": 6})
+    with httpx.stream("GET", web.base_url + "/ui/api/telemetry/stream?replay=2000", timeout=30) as r:
+        lines = list(r.iter_lines())  # ends by itself once idle
+    ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
+    assert "retry: 1000" in lines and len(ids) > 4 and ids == sorted(ids)
+    resume = ids[-3]
+    headers = {"Last-Event-ID": str(resume)}
+    with httpx.stream("GET", web.base_url + "/ui/api/telemetry/stream", headers=headers, timeout=30) as r:
+        again = [int(line[4:]) for line in r.iter_lines() if line.startswith("id: ")]
+    assert again == [i for i in ids if i > resume]  # exactly the events after the last one seen
