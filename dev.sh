@@ -15,6 +15,17 @@ CLAUDE_CODE_VERSION=2.1.332
 CODEX_VERSION=0.171.0
 PI_VERSION=1.6.0
 
+# The browser tier drives Debian's chromium through Playwright; Playwright never downloads a browser.
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
+browser() {
+  if [ ! -x /usr/bin/chromium ]; then
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q chromium >/dev/null
+  fi
+}
+
 setup() {
   local models=${1:-}
   if [ ! -x "$VENV/bin/python" ]; then
@@ -117,6 +128,8 @@ case "$cmd" in
   test)
     setup --gemma   # the second real model backs the sliding-window tests
     install_agents
+    browser
+    export MLX_DSPARK_REQUIRE_BROWSER=1  # a missing chromium fails the browser tier instead of skipping it
     "$VENV/bin/ruff" check .
     "$VENV/bin/lint-imports"
     "$VENV/bin/mypy" -p mlx_dspark.domain -p mlx_dspark.application

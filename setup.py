@@ -20,7 +20,7 @@ setup(
     package_data={
         **{f"mlx_dspark.{layer}": ["py.typed"] for layer in LAYERS},
         "mlx_dspark.adapters": ["**/*.json", "**/*.safetensors", "**/*.c", "**/*.md", "**/*.jsonl"],
-        "mlx_dspark.entrypoints": ["**/*.html", "**/*.js", "**/*.css"],
+        "mlx_dspark.entrypoints": ["**/*.html", "**/*.js", "**/*.css", "**/*.md", "**/*.svg"],
         "mlx_dspark.application": ["**/*.jsonl", "**/*.json"],
     },
 )

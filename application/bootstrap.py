@@ -8,7 +8,7 @@ wheels) come from here too, so no entrypoint imports a driven adapter.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -20,6 +20,9 @@ from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import TelemetrySink
 
 __all__ = ["Services", "build", "build_trainer", "install_default_models", "prepare_runtime", "runtime_report"]
+
+if TYPE_CHECKING:
+    from mlx_dspark.application.dashboard.service import Dashboard
 
 
 def _default_families() -> FamilySelector:
@@ -101,10 +104,69 @@ def build(settings: Settings, **overrides: Any) -> Services:
     return Services(
         settings=settings,
         clock=given.get("clock") or MonotonicClock(),
-        telemetry=given.get("telemetry") or _default_telemetry(),
+        # Every sink is wrapped so the dashboard can watch decode events live (the wrapped sink still gets all).
+        telemetry=_broadcasting(given.get("telemetry") or _default_telemetry()),
         loader=given.get("loader") or _default_loader(settings),
         calibration=given.get("calibration") or _default_calibration(settings),
         families=given.get("families") or _default_families(),
+    )
+
+
+def _broadcasting(inner: TelemetrySink) -> TelemetrySink:
+    from mlx_dspark.adapters.telemetry.broadcast import BroadcastTelemetrySink
+
+    return inner if isinstance(inner, BroadcastTelemetrySink) else BroadcastTelemetrySink(inner)
+
+
+def build_dashboard(
+    services: Services,
+    settings: Settings | None = None,
+    *,
+    session_db: str | None = None,
+    hub_endpoint: str | None = None,
+    catalog: Any = None,
+    hub: Any = None,
+    probe: Any = None,
+) -> Dashboard:
+    """The web dashboard's use cases over real adapters (SQLite sessions, HF hub and caches, MLX probe).
+
+    Args:
+        services: the wired services (their telemetry is the live feed when it broadcasts).
+        settings: defaults to services.settings.
+        session_db: the SQLite file (default: $MLX_DSPARK_SESSION_DB, else sessions.sqlite3 in the cache folder).
+        hub_endpoint: the hub's base URL (default: HF_ENDPOINT, else huggingface.co).
+        catalog, hub, probe: replacements (tests).
+    """
+    from mlx_dspark.adapters.hf.cache import cache_root
+    from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
+    from mlx_dspark.adapters.hf.hub import HfModelHub
+    from mlx_dspark.adapters.mlx.memory import MlxMachineProbe
+    from mlx_dspark.adapters.storage.sessions import SqliteSessionStore
+    from mlx_dspark.adapters.telemetry.broadcast import BroadcastTelemetrySink
+    from mlx_dspark.application.chat_service import ChatService
+    from mlx_dspark.application.dashboard.models import ModelManager
+    from mlx_dspark.application.dashboard.modes import ModeSet
+    from mlx_dspark.application.dashboard.service import Dashboard
+    from mlx_dspark.application.dashboard.sessions import SessionService
+
+    settings = settings or services.settings
+    root = cache_root(settings.model.cache_dir)
+    db = session_db or os.environ.get("MLX_DSPARK_SESSION_DB") or os.path.join(root, "sessions.sqlite3")
+    store = SqliteSessionStore(db)
+    feed = services.telemetry if isinstance(services.telemetry, BroadcastTelemetrySink) else None
+    modes = ModeSet(services, settings)
+    machine = probe or MlxMachineProbe()
+    manager = ModelManager(
+        catalog or LocalModelCatalog(project_cache=root),
+        hub or HfModelHub(endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None),
+        machine,
+    )
+    return Dashboard(
+        sessions=SessionService(store, ChatService(services.families, settings.server), modes, feed),
+        modes=modes,
+        models=manager,
+        probe=machine,
+        feed=feed,
     )
 
 

@@ -168,7 +168,29 @@ class EngineThread:
             return "the server is shutting down"
         return "the inference engine is not running"
 
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for the engine thread (not counting the one running)."""
+        return self._jobs.qsize()
+
     # ---- jobs ---------------------------------------------------------------------------------------------
+
+    def switch(
+        self, factory: Callable[[GenerationService], GenerationService], loop: asyncio.AbstractEventLoop | None = None
+    ) -> EngineJob[GenerationService]:
+        """Queue a job that builds a new GenerationService from the current one and serves it from then on.
+
+        Queued after the jobs already waiting, so none of them sees a half-switched engine; on failure the
+        current GenerationService stays.
+        """
+
+        def work(current: GenerationService) -> Iterator[GenerationService]:
+            new = factory(current)
+            self._generator = new
+            _log.info("engine.switched", model=new.model.name, mode=new.mode)
+            yield new
+
+        return self.submit(work, loop)
 
     def submit(
         self, work: Work[T], loop: asyncio.AbstractEventLoop | None = None, *, quick: bool = False

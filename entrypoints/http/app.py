@@ -13,10 +13,15 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, get, route
 from litestar.config.cors import CORSConfig
+from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.static_files import create_static_files_router
+from litestar.template.config import TemplateConfig
 
+from mlx_dspark.application.bootstrap import build_dashboard
 from mlx_dspark.application.chat_service import ChatService
+from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services
@@ -27,7 +32,10 @@ from mlx_dspark.entrypoints.http import (
     routes_openai_chat,
     routes_openai_responses,
     support,
+    web,
 )
+from mlx_dspark.entrypoints.http.web import routes as web_routes
+from mlx_dspark.entrypoints.http.web.auth import web_guard
 
 
 @get("/health", sync_to_thread=False)
@@ -47,8 +55,12 @@ def health(request: Request[Any, Any, Any]) -> Response[Any]:
 
 
 @route("/", http_method=["GET", "HEAD"], sync_to_thread=False)
-def root() -> Response[Any]:
-    """Some clients probe the base URL before their first request."""
+def root(request: Request[Any, Any, Any]) -> Any:
+    """The dashboard for a browser; a small JSON status for clients that probe the base URL."""
+    if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        from mlx_dspark.entrypoints.http.web.routes import home
+
+        return home(request)
     return Response(content={"status": "ok", "service": "mlx-dspark"})
 
 
@@ -70,12 +82,13 @@ def _fallback_handler() -> Any:
     return handle
 
 
-def create_app(services: Services, settings: Settings | None = None) -> Litestar:
+def create_app(services: Services, settings: Settings | None = None, *, dashboard: Dashboard | None = None) -> Litestar:
     """The server app.
 
     Args:
         services: wired adapters (a fake loader in tests).
         settings: the settings tree (defaults to services.settings); `settings.server` holds the limits.
+        dashboard: the web dashboard's use cases (default: built by bootstrap over the real adapters).
     """
     settings = settings or services.settings
 
@@ -95,6 +108,7 @@ def create_app(services: Services, settings: Settings | None = None) -> Litestar
         finally:
             engine.stop(timeout=5)
 
+    dashboard = dashboard or build_dashboard(services, settings)
     cors = CORSConfig(allow_origins=list(settings.server.cors_origins)) if settings.server.cors_origins else None
     fallback = _fallback_handler()
     return Litestar(
@@ -104,13 +118,16 @@ def create_app(services: Services, settings: Settings | None = None) -> Litestar
             routes_anthropic.router(),
             routes_openai_chat.router(),
             routes_openai_responses.router(),
+            *web_routes.routers(),
+            create_static_files_router(path="/static", directories=[web.STATIC], name="static", guards=[web_guard]),
         ],
         guards=[admission.admission_guard],
+        template_config=TemplateConfig(directory=web.TEMPLATES, engine=JinjaTemplateEngine),
         lifespan=[lifespan],
         cors_config=cors,
         request_max_body_size=None,  # enforced per dialect, so the 413 comes in the dialect's envelope
         exception_handlers={HTTPException: fallback, Exception: fallback},
-        state=State({"ctx": ctx}),
+        state=State({"ctx": ctx, "dashboard": dashboard, "services": services}),
         openapi_config=None,
         logging_config=None,
     )

@@ -1,0 +1,205 @@
+"""A telemetry sink that fans decode events out to live subscribers (the dashboard's SSE stream).
+
+It forwards every event to an inner sink (the structlog lines), keeps a bounded ring of recent events
+for late subscribers, per-request summaries, and running totals for /metrics. Thread-safe: the engine
+thread emits, HTTP handlers subscribe and read from the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished, TokensCommitted
+from mlx_dspark.domain.ports import TelemetrySink
+
+Listener = Callable[[dict[str, Any]], None]
+_RATE_WINDOW_S = 3.0
+_STALE_S = 60.0  # a request closed without Finished (client went away) stops counting as active
+
+
+class BroadcastTelemetrySink:
+    """Forwards to `inner` and publishes JSON-ready dicts to subscribers.
+
+    Args:
+        inner: the sink that logs (or records, in tests); None = publish only.
+        history: how many recent events a new subscriber is replayed.
+        clock: wall-clock-free monotonic seconds (for rates and prefill timing).
+    """
+
+    def __init__(
+        self, inner: TelemetrySink | None = None, *, history: int = 2000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._inner = inner
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+        self._recent: deque[dict[str, Any]] = deque(maxlen=history)
+        self._active: dict[str, dict[str, Any]] = {}
+        self._summaries: deque[dict[str, Any]] = deque(maxlen=200)
+        self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent commits
+        self._seq = 0
+        self.totals: Counter[str] = Counter()
+        self.finish_reasons: Counter[str] = Counter()
+        self.accepted_by_length: Counter[int] = Counter()
+
+    # ---- TelemetrySink ----------------------------------------------------------------------------------
+
+    def emit(self, request_id: str, event: DecodeEvent) -> None:
+        if self._inner is not None:
+            self._inner.emit(request_id, event)
+        now = self._clock()
+        out: list[dict[str, Any]] = []
+        with self._lock:
+            self._prune(now)
+            state = self._active.get(request_id)
+            if state is None:
+                state = self._active[request_id] = {"started": now, "prefill_done": None, "tokens": 0}
+                out.append({"type": "request", "request_id": request_id, "active": len(self._active)})
+            state["last"] = now
+            if isinstance(event, TokensCommitted):
+                n = len(event.tokens)
+                state["tokens"] += n
+                self.totals["tokens_committed"] += n
+                self._window.append((now, n))
+                if state["prefill_done"] is None:
+                    # The decode loop's first event follows the prefill forward: the prompt is in the cache.
+                    # (Its duration arrives with `finished`: no event precedes the prefill.)
+                    state["prefill_done"] = now
+                    out.append({"type": "prefill", "request_id": request_id, "done": True})
+            elif isinstance(event, RoundFinished):
+                self.totals["rounds"] += 1
+                self.totals["drafted"] += event.drafted
+                self.totals["accepted"] += event.accepted
+                if event.drafted:
+                    self.accepted_by_length[event.accepted] += 1
+                out.append(
+                    {
+                        "type": "round",
+                        "request_id": request_id,
+                        "index": event.index,
+                        "source": event.source,
+                        "cap": event.cap,
+                        "drafted": event.drafted,
+                        "accepted": event.accepted,
+                        # per draft position: 1 = accepted, 0 = rejected (positions past the first rejection not tried)
+                        "positions": [1] * event.accepted + ([0] if event.accepted < event.drafted else []),
+                        "committed": event.committed,
+                        "draft_s": event.draft_s,
+                        "verify_s": event.verify_s,
+                        "depth": event.depth,
+                        "tok_s": event.committed / max(event.draft_s + event.verify_s, 1e-9),
+                        "batch": len(self._active),
+                    }
+                )
+            elif isinstance(event, CapChanged):
+                self.totals["cap_changes"] += 1
+                out.append(
+                    {
+                        "type": "cap",
+                        "request_id": request_id,
+                        "old": event.old,
+                        "new": event.new,
+                        "reason": event.reason,
+                    }
+                )
+            elif isinstance(event, Finished):
+                self._active.pop(request_id, None)
+                out.append(self._finish(request_id, event))
+            for item in out:
+                self._seq += 1
+                item["seq"] = self._seq
+                item["t"] = now
+                self._recent.append(item)
+            listeners = list(self._listeners)
+        for item in out:
+            for listener in listeners:
+                listener(item)
+
+    def _prune(self, now: float) -> None:
+        for rid in [r for r, st in self._active.items() if now - st.get("last", st["started"]) > _STALE_S]:
+            del self._active[rid]
+
+    def _finish(self, request_id: str, event: Finished) -> dict[str, Any]:
+        u = event.usage
+        self.totals["requests"] += 1
+        self.totals["prompt_tokens"] += u.prompt_tokens
+        self.totals["cached_prompt_tokens"] += u.cached_prompt_tokens
+        self.totals["generated_tokens"] += u.generated_tokens
+        self.totals["cache_hits" if u.cached_prompt_tokens else "cache_misses"] += 1
+        self.totals["prefill_ms"] += int(u.prefill_s * 1e3)
+        self.totals["decode_ms"] += int(u.decode_s * 1e3)
+        self.finish_reasons[event.reason.value] += 1
+        summary = {
+            "type": "finished",
+            "request_id": request_id,
+            "finish_reason": event.reason.value,
+            "prompt_tokens": u.prompt_tokens,
+            "cached_prompt_tokens": u.cached_prompt_tokens,
+            "generated_tokens": u.generated_tokens,
+            "rounds": u.rounds,
+            "drafted": u.drafted,
+            "accepted": u.accepted,
+            "mean_accepted": u.mean_accepted,
+            "prefill_s": u.prefill_s,
+            "decode_s": u.decode_s,
+            "tok_s": u.decode_tokens_per_second,
+        }
+        self._summaries.append(summary)
+        return summary
+
+    # ---- TelemetryFeed ----------------------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener, *, replay: int = 0, after: int | None = None) -> Callable[[], None]:
+        """Call `listener` with every new event (from the emitting thread); returns the unsubscribe function.
+
+        Recent events are delivered first, in order: those numbered past `after` (a reconnecting client's
+        last seen `seq`), else the last `replay` ones.
+        """
+        with self._lock:
+            if after is not None:
+                backlog = [e for e in self._recent if e["seq"] > after]
+            else:
+                backlog = list(self._recent)[-replay:] if replay else []
+            self._listeners.append(listener)
+        for item in backlog:
+            listener(item)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def summary(self, request_id: str) -> dict[str, Any] | None:
+        """The finished summary of a recent request, or None."""
+        with self._lock:
+            for s in reversed(self._summaries):
+                if s["request_id"] == request_id:
+                    return dict(s)
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        """Totals, the live rate and the last request, for /metrics and the header gauge."""
+        now = self._clock()
+        with self._lock:
+            self._prune(now)
+            while self._window and now - self._window[0][0] > _RATE_WINDOW_S:
+                self._window.popleft()
+            live = 0.0
+            if self._active and self._window:
+                span = max(now - self._window[0][0], 1e-3)
+                live = sum(n for _, n in self._window) / span
+            last = dict(self._summaries[-1]) if self._summaries else None
+            return {
+                "totals": dict(self.totals),
+                "finish_reasons": dict(self.finish_reasons),
+                "accepted_by_length": {str(k): v for k, v in sorted(self.accepted_by_length.items())},
+                "active_requests": len(self._active),
+                "live_tok_s": live,
+                "last": last,
+            }

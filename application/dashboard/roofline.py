@@ -1,0 +1,57 @@
+"""Use case: the roofline — measured memory bandwidth and the model's bytes per token give the plain-decode
+ceiling (every plain token reads every weight once); plain and speculative tok/s are measured against it.
+
+Speculation verifies several tokens per weight read, so it can beat the plain ceiling; `vs_ceiling` says by
+how much. KV-cache reads are left out of the bytes per token (small at the short prompts measured here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from mlx_dspark.application.dashboard.modes import ModeSet
+from mlx_dspark.application.dashboard.ports import MachineProbe
+from mlx_dspark.application.dashboard.race import LaneDone, race
+from mlx_dspark.application.generation import GenerationService
+
+PROMPT = "Write a short Python function that returns the n-th Fibonacci number, then explain it in two sentences."
+
+
+def measure(
+    modes: ModeSet,
+    served: GenerationService,
+    probe: MachineProbe,
+    lanes: Sequence[str],
+    *,
+    max_tokens: int = 48,
+    bandwidth_bytes: int = 256 << 20,
+) -> Iterator[dict[str, Any]]:
+    """Engine-thread job: status lines, then one result {bandwidth, model_bytes, ceiling_tok_s, lanes}."""
+    for mode in ("baseline", *lanes):  # fail before the benchmark when a mode cannot run here
+        modes.get(served, mode)
+    yield {"type": "status", "text": "measuring memory bandwidth (MLX copy)"}
+    bw = probe.bandwidth(bandwidth_bytes)
+    model_bytes = probe.model_bytes(served.model.handle)
+    ceiling = bw["bytes_per_s"] / model_bytes if model_bytes else 0.0
+    results = []
+    for event in race(modes, served, PROMPT, lanes, max_tokens=max_tokens):
+        if isinstance(event, LaneDone):
+            results.append(
+                {
+                    "mode": event.mode,
+                    "tok_s": event.tok_s,
+                    "mean_accepted": event.mean_accepted,
+                    "vs_ceiling": event.tok_s / ceiling if ceiling else 0.0,
+                }
+            )
+            yield {"type": "status", "text": f"{event.mode}: {event.tok_s:.1f} tok/s"}
+    yield {
+        "type": "result",
+        "bandwidth_bytes_per_s": bw["bytes_per_s"],
+        "bandwidth_samples_s": bw["samples_s"],
+        "device": bw.get("device", ""),
+        "model_bytes": model_bytes,
+        "ceiling_tok_s": ceiling,
+        "lanes": results,
+    }

@@ -1,0 +1,190 @@
+"""Use case: chat sessions — saved turns, replay into a conversation, a streamed turn, exports.
+
+The user's message is committed before generation starts and the reply when it ends (each one
+transaction), so a crash mid-answer loses only the unfinished reply.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from mlx_dspark.application.chat_service import ChatItem, ChatService
+from mlx_dspark.application.dashboard.modes import ModeSet
+from mlx_dspark.application.dashboard.ports import SessionInfo, SessionStore, StoredMessage, TelemetryFeed
+from mlx_dspark.application.generation import GenerationService
+from mlx_dspark.domain.chat import ChatRequest, Conversation, Message, Role
+from mlx_dspark.domain.dashboard import SessionNotFound
+from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.tokens import SamplingParams
+
+TITLE_CHARS = 60
+
+
+@attrs.frozen(kw_only=True)
+class TurnOptions:
+    """What the chat page sends with a message (validated here, errors name the field)."""
+
+    system: str = ""
+    mode: str = ""
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    thinking: bool | None = None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> TurnOptions:
+        try:
+            stop = raw.get("stop") or ()
+            if isinstance(stop, str):
+                stop = [s for s in stop.split("\n") if s]
+            seed = raw.get("seed")
+            thinking = raw.get("thinking")
+            opts = cls(
+                system=str(raw.get("system") or ""),
+                mode=str(raw.get("mode") or ""),
+                max_tokens=int(raw.get("max_tokens") or 256),
+                temperature=float(raw.get("temperature") or 0.0),
+                top_p=float(raw.get("top_p") or 1.0),
+                top_k=int(raw.get("top_k") or 0),
+                seed=int(seed) if seed not in (None, "") else None,
+                stop=tuple(str(s) for s in stop),
+                thinking=None if thinking in (None, "", "default") else bool(thinking),
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(message=f"invalid chat settings: {exc}") from exc
+        if opts.max_tokens < 1:
+            raise InvalidRequest(message="max_tokens must be >= 1", param="max_tokens")
+        return opts
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    def as_json(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["stop"] = list(self.stop)
+        return out
+
+
+class SessionService:
+    """Sessions over a SessionStore, and chat turns on the engine's generators.
+
+    Args:
+        store: where sessions live.
+        chat: the chat use case (family codecs, context window).
+        modes: per-mode generators on the served model.
+        feed: live telemetry, for per-message round statistics (None = usage only).
+    """
+
+    def __init__(self, store: SessionStore, chat: ChatService, modes: ModeSet, feed: TelemetryFeed | None) -> None:
+        self.store = store
+        self._chat = chat
+        self._modes = modes
+        self._feed = feed
+
+    def create(self, title: str = "", settings: Mapping[str, Any] | None = None) -> SessionInfo:
+        return self.store.create(title.strip() or "New chat", settings)
+
+    def require(self, session_id: str) -> SessionInfo:
+        """The session, or SessionNotFound."""
+        info = self.store.get(session_id)
+        if info is None:
+            raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
+        return info
+
+    def begin_turn(self, session_id: str, text: str, options: TurnOptions) -> ChatRequest:
+        """Commit the user's message and the settings, and build the request from the whole history.
+
+        Raises:
+            SessionNotFound: no such session.
+            InvalidRequest: an empty message or bad sampling settings.
+        """
+        if not text.strip():
+            raise InvalidRequest(message="the message is empty", param="content")
+        sampling = options.sampling()
+        info = self.require(session_id)
+        self.store.update_settings(session_id, options.as_json())
+        if info.messages == 0 and info.title == "New chat":
+            self.store.rename(session_id, _title(text))
+        self.store.append(session_id, "user", text)
+        history = tuple(_message(m) for m in self.store.messages(session_id))
+        return ChatRequest(
+            conversation=Conversation(system=options.system, messages=history),
+            max_tokens=options.max_tokens,
+            sampling=sampling,
+            stop=options.stop,
+            thinking=options.thinking,
+            request_id=f"chat-{session_id[:8]}-{int(time.time() * 1000) % 10**8}",
+        )
+
+    def run_turn(self, served: GenerationService, request: ChatRequest, mode: str) -> Iterator[ChatItem]:
+        """The engine-thread job of one turn (on the mode's generator)."""
+        generator = self._modes.get(served, mode)
+        yield from self._chat.stream(generator, request)
+
+    def mode_of(self, served: GenerationService, mode: str) -> str:
+        return mode if mode and mode not in ("auto", "served") else served.mode
+
+    def stats(self, request_id: str, usage: Mapping[str, Any], mode: str, elapsed_s: float) -> dict[str, Any]:
+        """Per-message statistics: tokens, tok/s, accepted per round, cached prompt tokens."""
+        out = {"mode": mode, **usage, "elapsed_s": round(elapsed_s, 3)}
+        summary = self._feed.summary(request_id) if self._feed is not None else None
+        if summary is not None:
+            out.update(
+                tok_s=round(summary["tok_s"], 2),
+                mean_accepted=round(summary["mean_accepted"], 3),
+                rounds=summary["rounds"],
+                drafted=summary["drafted"],
+                accepted=summary["accepted"],
+                prefill_s=round(summary["prefill_s"], 4),
+            )
+        return out
+
+    def finish_turn(
+        self, session_id: str, text: str, thinking: str, stats: Mapping[str, Any]
+    ) -> StoredMessage | None:
+        """Save the reply (None when the session was deleted while the reply streamed)."""
+        try:
+            return self.store.append(session_id, "assistant", text, thinking=thinking, stats=stats)
+        except KeyError:
+            return None
+
+    def export_json(self, session_id: str) -> dict[str, Any]:
+        info = self.require(session_id)
+        return {
+            "session": {**attrs.asdict(info), "settings": dict(info.settings)},
+            "messages": [{**attrs.asdict(m), "stats": dict(m.stats)} for m in self.store.messages(session_id)],
+        }
+
+    def export_markdown(self, session_id: str) -> str:
+        info = self.require(session_id)
+        lines = [f"# {info.title}", ""]
+        system = str(info.settings.get("system") or "")
+        if system:
+            lines += ["**System:** " + system, ""]
+        for m in self.store.messages(session_id):
+            lines += [f"## {m.role.capitalize()}", ""]
+            if m.thinking:
+                lines += ["<details><summary>Thinking</summary>", "", m.thinking, "", "</details>", ""]
+            lines += [m.content, ""]
+            if m.stats:
+                shown = {k: m.stats[k] for k in ("mode", "completion_tokens", "tok_s", "mean_accepted") if k in m.stats}
+                lines += ["_" + json.dumps(shown) + "_", ""]
+        return "\n".join(lines)
+
+
+def _title(text: str) -> str:
+    first = " ".join(text.split())
+    return first if len(first) <= TITLE_CHARS else first[: TITLE_CHARS - 1] + "…"
+
+
+def _message(m: StoredMessage) -> Message:
+    role = Role.ASSISTANT if m.role == "assistant" else Role.USER
+    return Message(role=role, text=m.content)

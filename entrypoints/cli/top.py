@@ -1,0 +1,97 @@
+"""`mlx-dspark top`: a terminal gauge of a running server — tok/s, model memory, queue, acceptance.
+
+Reads the dashboard's /ui/api/status (the numbers the web header shows), with the same API key rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+BAR = 30
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-dspark top", description="Live gauge of a running mlx-dspark server.")
+    p.add_argument("--url", help="server base URL (default http://HOST:PORT from MLX_DSPARK_HOST/PORT, else :8080)")
+    p.add_argument("--api-key", help="the server's API key (default MLX_DSPARK_API_KEY)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--once", action="store_true", help="print one reading and exit (for scripts)")
+    return p
+
+
+def _bytes(n: float) -> str:
+    units = ["B", "KB", "MB", "GB", "TB"]
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{n:.0f} {units[i]}" if i == 0 or n >= 100 else f"{n:.1f} {units[i]}"
+
+
+def render(status: dict[str, Any], peak_tok_s: float) -> str:
+    """One screen of the gauge (plain text; no colour so it reads the same in a log)."""
+    live = float(status.get("live_tok_s") or 0.0)
+    shown = live or float(status.get("last_tok_s") or 0.0)
+    scale = max(peak_tok_s, shown, 1e-9)
+    filled = round(BAR * shown / scale) if shown else 0
+    totals = status.get("totals") or {}
+    drafted = totals.get("drafted", 0)
+    acceptance = f"{100 * totals.get('accepted', 0) / drafted:.1f}%" if drafted else "—"
+    memory = status.get("memory") or {}
+    state = "ready" if status.get("ready") else ("error: " + str(status["error"]) if status.get("error") else "loading")
+    lines = [
+        f"mlx-dspark  {status.get('model')}  mode {status.get('mode')}  [{state}]",
+        f"tok/s   {'█' * filled}{'·' * (BAR - filled)} {shown:7.1f} {'live' if live else 'last request'}",
+        f"memory  model {_bytes(status.get('model_bytes') or 0)}   MLX active {_bytes(memory.get('active', 0))}"
+        f"   peak {_bytes(memory.get('peak', 0))}",
+        f"queue   {status.get('queue_depth', 0)} waiting   {status.get('active_requests', 0)} decoding",
+        f"totals  {totals.get('requests', 0)} requests   {totals.get('generated_tokens', 0)} tokens   "
+        f"acceptance {acceptance}   cache hits {totals.get('cache_hits', 0)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def fetch(url: str, api_key: str | None) -> dict[str, Any]:
+    request = urllib.request.Request(url.rstrip("/") + "/ui/api/status")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        data: dict[str, Any] = json.loads(response.read())
+    return data
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    host = os.environ.get("MLX_DSPARK_HOST") or "127.0.0.1"
+    url = args.url or f"http://{host}:{os.environ.get('MLX_DSPARK_PORT') or 8080}"
+    key = args.api_key or os.environ.get("MLX_DSPARK_API_KEY") or None
+    tty = sys.stdout.isatty() and not args.once
+    peak = 0.0
+    try:
+        while True:
+            try:
+                status = fetch(url, key)
+            except urllib.error.HTTPError as exc:
+                reason = "wrong or missing --api-key" if exc.code == 401 else f"HTTP {exc.code}"
+                sys.stderr.write(f"mlx-dspark top: {url}: {reason}\n")
+                return 1
+            except (urllib.error.URLError, OSError) as exc:
+                sys.stderr.write(f"mlx-dspark top: cannot reach {url}: {getattr(exc, 'reason', exc)}\n")
+                return 1
+            peak = max(peak, float(status.get("live_tok_s") or 0.0), float(status.get("last_tok_s") or 0.0))
+            frame = render(status, peak)
+            sys.stdout.write(("\x1b[H\x1b[2J" if tty else "") + frame)
+            sys.stdout.flush()
+            if args.once:
+                return 0
+            time.sleep(max(args.interval, 0.1))
+    except KeyboardInterrupt:
+        return 0

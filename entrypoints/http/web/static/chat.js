@@ -1,0 +1,131 @@
+// Chat: sessions in SQLite on the server, one streamed turn at a time.
+"use strict";
+(() => {
+  const $ = (id) => document.getElementById(id);
+  let current = null, streaming = null;
+
+  async function loadSessions(selectId) {
+    const list = await api.get("/ui/api/sessions");
+    const ul = $("session-list"); ul.innerHTML = "";
+    for (const s of list) {
+      const li = el("li", {class: s.id === (selectId || (current && current.id)) ? "active" : "", "data-id": s.id},
+        el("span", {class: "t"}, s.title), el("span", {class: "n"}, s.messages));
+      li.onclick = () => openSession(s.id);
+      ul.append(li);
+    }
+    return list;
+  }
+  function statsLine(st) {
+    if (!st) return null;
+    const parts = [];
+    if (st.mode) parts.push(st.mode);
+    if (st.completion_tokens !== undefined) parts.push(`${st.completion_tokens} tokens`);
+    if (st.tok_s !== undefined) parts.push(`${st.tok_s} tok/s`);
+    if (st.mean_accepted !== undefined) parts.push(`${st.mean_accepted} tokens/round`);
+    if (st.cached_prompt_tokens !== undefined) parts.push(`${st.cached_prompt_tokens} cached prompt tokens`);
+    if (st.finish_reason) parts.push(st.finish_reason);
+    return el("div", {class: "stats"}, ...parts.map((p) => el("span", {}, p)));
+  }
+  function bubble(role, text, thinking, stats) {
+    const div = el("div", {class: `msg ${role}`});
+    const think = el("details", {}, el("summary", {}, "Thinking"), el("div", {class: "think"}, thinking || ""));
+    if (!thinking) think.style.display = "none";
+    const body = el("div", {class: "body"}, text || "");
+    div.append(think, body);
+    const s = statsLine(stats); if (s) div.append(s);
+    return div;
+  }
+  function render(messages) {
+    const box = $("messages"); box.innerHTML = "";
+    if (!messages.length) box.append(el("div", {class: "empty"}, "Start a conversation. Replies stream from the served model."));
+    for (const m of messages) box.append(bubble(m.role, m.content, m.thinking, m.role === "assistant" ? m.stats : null));
+    box.scrollTop = box.scrollHeight;
+  }
+  function applySettings(st) {
+    if (!st) return;
+    for (const k of ["system", "temperature", "max_tokens", "top_p", "top_k", "mode"]) if (st[k] !== undefined && $(k)) $(k).value = st[k];
+    $("seed").value = st.seed ?? "";
+    $("stop-strings").value = (st.stop || []).join("\n");
+    $("thinking").value = st.thinking === true ? "on" : st.thinking === false ? "off" : "default";
+  }
+  async function openSession(id) {
+    current = await api.get(`/ui/api/sessions/${id}`);
+    $("session-title").value = current.title;
+    applySettings(current.settings);
+    render(current.messages);
+    history.replaceState(null, "", `/ui/chat#${id}`);
+    await loadSessions(id);
+  }
+  async function newSession() {
+    const s = await api.post("/ui/api/sessions", {title: ""});
+    await openSession(s.id);
+    return s;
+  }
+  function options() {
+    const th = $("thinking").value;
+    return {
+      system: $("system").value, mode: $("mode").value, max_tokens: +$("max_tokens").value || 256,
+      temperature: +$("temperature").value || 0, top_p: +$("top_p").value || 1, top_k: +$("top_k").value || 0,
+      seed: $("seed").value === "" ? null : +$("seed").value,
+      stop: $("stop-strings").value.split("\n").filter((s) => s), thinking: th === "default" ? null : th === "on",
+    };
+  }
+  async function send() {
+    const text = $("prompt").value.trim();
+    if (!text || streaming) return;
+    if (!current) await newSession();
+    $("prompt").value = "";
+    const box = $("messages");
+    if (box.querySelector(".empty")) box.innerHTML = "";
+    box.append(bubble("user", text));
+    const reply = bubble("assistant", "", "");
+    reply.classList.add("streaming");
+    box.append(reply); box.scrollTop = box.scrollHeight;
+    const body = reply.querySelector(".body"), think = reply.querySelector("details"), thinkText = reply.querySelector(".think");
+    $("send").disabled = true; $("stop").disabled = false;
+    streaming = api.stream(`/ui/api/sessions/${current.id}/chat`, {content: text, options: options()}, (ev) => {
+      if (ev.type === "text") body.textContent += ev.text;
+      else if (ev.type === "thinking") { think.style.display = ""; thinkText.textContent += ev.text; }
+      else if (ev.type === "done") { const s = statsLine(ev.stats); if (s) reply.append(s); reply.dataset.done = "1"; }
+      else if (ev.type === "error") body.append(el("div", {class: "error"}, ev.message));
+      box.scrollTop = box.scrollHeight;
+    }, (err) => {
+      if (err) body.append(el("div", {class: "error"}, err.message));
+      reply.classList.remove("streaming"); streaming = null;
+      $("send").disabled = false; $("stop").disabled = true;
+      api.get(`/ui/api/sessions/${current.id}`).then((s) => { current = s; $("session-title").value = s.title; });
+      loadSessions(current.id);
+    });
+  }
+  document.addEventListener("DOMContentLoaded", async () => {
+    $("send").onclick = send;
+    $("stop").onclick = () => streaming && streaming.abort();
+    $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); } });
+    $("new-session").onclick = newSession;
+    $("session-title").addEventListener("change", async () => {
+      if (!current) return;
+      await api.json("PATCH", `/ui/api/sessions/${current.id}`, {title: $("session-title").value});
+      loadSessions(current.id);
+    });
+    $("delete-session").onclick = async () => {
+      if (!current || !confirm(`Delete “${current.title}”?`)) return;
+      await api.json("DELETE", `/ui/api/sessions/${current.id}`);
+      current = null; render([]); $("session-title").value = "";
+      const list = await loadSessions();
+      if (list.length) openSession(list[0].id);
+    };
+    $("export-md").onclick = () => current && (location.href = `/ui/api/sessions/${current.id}/export?format=md`);
+    $("export-json").onclick = () => current && (location.href = `/ui/api/sessions/${current.id}/export?format=json`);
+    document.addEventListener("status", (e) => {
+      const sel = $("mode");
+      sel.options[0].textContent = `served (${e.detail.mode})`;
+      if (sel.options.length > 1) return;
+      for (const m of e.detail.modes) if (m === "baseline" || m === "lookup" || (e.detail.drafters || []).includes(m)) sel.append(el("option", {value: m}, m));
+      if (current && current.settings && current.settings.mode) sel.value = current.settings.mode;
+    });
+    const list = await loadSessions();
+    const wanted = location.hash.slice(1);
+    if (wanted && list.some((s) => s.id === wanted)) openSession(wanted);
+    else if (list.length) openSession(list[0].id);
+  });
+})();

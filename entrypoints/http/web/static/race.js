@@ -1,0 +1,46 @@
+// Race: plain decoding and each chosen mode on one prompt; the server checks token ids.
+"use strict";
+(() => {
+  const $ = (id) => document.getElementById(id);
+  let running = null;
+  function lane(mode) {
+    return el("div", {class: "card lane", id: `lane-${mode}`},
+      el("h2", {}, mode === "baseline" ? "plain (baseline)" : mode),
+      el("div", {class: "out"}), el("div", {class: "meta"}, "waiting…"));
+  }
+  function start() {
+    if (running) return;
+    const modes = [...document.querySelectorAll(".race-mode:checked")].map((c) => c.value);
+    const lanes = $("lanes"); lanes.innerHTML = ""; $("race-verdict").innerHTML = "";
+    for (const m of ["baseline", ...modes]) lanes.append(lane(m));
+    $("race-go").disabled = true;
+    running = api.stream("/ui/api/race", {prompt: $("race-prompt").value, modes, max_tokens: +$("race-max").value}, (ev) => {
+      if (ev.type === "text") {
+        const l = $(`lane-${ev.mode}`); l.querySelector(".out").textContent += ev.text;
+        l.querySelector(".meta").textContent = "decoding…";
+      } else if (ev.type === "lane_done") {
+        $(`lane-${ev.mode}`).querySelector(".meta").textContent =
+          `${ev.tokens} tokens · ${ev.tok_s.toFixed(1)} tok/s · ${ev.mean_accepted.toFixed(2)} tokens/round · ${ev.finish_reason}`;
+      } else if (ev.type === "verdict") {
+        const v = $("race-verdict");
+        if (ev.identical) {
+          v.append(el("div", {class: "verdict ok", id: "verdict"}, "✓ identical — every mode produced exactly plain decoding's token ids"));
+        } else {
+          const d = el("div", {class: "verdict fail", id: "verdict"}, "✗ diverged");
+          for (const l of ev.lanes.filter((x) => !x.identical)) {
+            d.append(el("div", {style: "font-size:13px;font-weight:400;margin-top:6px"},
+              `${l.mode}: first difference at token ${l.divergence} (plain ${l.expected}, ${l.mode} ${l.got}) after “${l.context}”`));
+          }
+          v.append(d);
+        }
+        for (const l of ev.lanes) $(`lane-${l.mode}`).querySelector("h2").append(" ", el("span", {class: `badge ${l.identical ? "green" : "red"}`}, l.identical ? "identical" : `diverged at ${l.divergence}`));
+      } else if (ev.type === "error") {
+        $("race-verdict").append(el("div", {class: "verdict fail"}, ev.message));
+      }
+    }, (err) => {
+      if (err) $("race-verdict").append(el("div", {class: "verdict fail"}, err.message));
+      running = null; $("race-go").disabled = false;
+    });
+  }
+  document.addEventListener("DOMContentLoaded", () => { $("race-go").onclick = start; });
+})();

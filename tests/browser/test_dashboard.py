@@ -1,0 +1,126 @@
+"""The dashboard in a real browser on the real default model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from tests.browser.conftest import App, screenshot
+
+PAGES = ("chat", "models", "telemetry", "roofline", "race")
+
+
+def wait_ready(page: Any) -> None:
+    page.wait_for_function("document.getElementById('g-state').textContent === 'ready'")
+
+
+def test_every_page_loads_with_the_gauge(page: Any, app: App) -> None:
+    for name in PAGES:
+        page.goto(f"/ui/{name}")
+        wait_ready(page)
+        assert page.locator("#g-model").inner_text() == "default"
+        assert page.locator(f"nav a[data-nav='{name}']").get_attribute("class") == "active"
+        page.wait_for_function("document.getElementById('g-mem').textContent !== '—'")  # model memory measured
+        assert page.locator("#g-mem").inner_text().endswith("MB")
+        screenshot(page, f"page-{name}")
+
+
+def test_chat_streams_an_answer_and_the_session_is_found_after_a_reload(page: Any, app: App) -> None:
+    page.goto("/ui/chat")
+    wait_ready(page)
+    page.fill("#max_tokens", "12")
+    page.fill("#prompt", "Name three colours of the rainbow.")
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    reply.locator(".body").wait_for()
+    page.wait_for_function("document.querySelectorAll('.msg.assistant .body')[0].textContent.length > 0")
+    page.wait_for_selector(".msg.assistant[data-done='1']")
+    text = reply.locator(".body").inner_text()
+    stats = reply.locator(".stats").inner_text()
+    assert text.strip() and "tok/s" in stats and "tokens/round" in stats and "cached prompt tokens" in stats
+    screenshot(page, "chat-answer")
+    page.reload()
+    wait_ready(page)
+    item = page.locator("#session-list li", has_text="Name three colours of the rainbow.")
+    item.first.wait_for()
+    item.first.click()
+    page.wait_for_selector(".msg.assistant")
+    assert page.locator(".msg.user").first.inner_text().strip() == "Name three colours of the rainbow."
+    assert page.locator(".msg.assistant .body").first.inner_text() == text
+    screenshot(page, "chat-reloaded")
+
+
+def test_a_race_reads_identical(page: Any, app: App) -> None:
+    page.goto("/ui/race")
+    wait_ready(page)
+    page.fill("#race-prompt", "List the numbers from one to ten, separated by commas.")
+    page.fill("#race-max", "12")
+    page.click("#race-go")
+    verdict = page.locator("#verdict")
+    verdict.wait_for()
+    assert "identical" in verdict.inner_text()
+    assert page.locator("#lane-baseline .out").inner_text() == page.locator("#lane-lookup .out").inner_text()
+    assert page.locator("#lane-lookup .badge").inner_text() == "identical"
+    screenshot(page, "race-verdict")
+
+
+def test_the_telemetry_charts_update_live(page: Any, app: App) -> None:
+    page.goto("/ui/telemetry")
+    wait_ready(page)
+    page.wait_for_timeout(500)  # the SSE stream is open and the replay drawn
+    before = int(page.evaluate("document.body.dataset.updates || '0'"))
+    points = page.evaluate("Chart.getChart('chart-toks').data.datasets[0].data.length")
+    body = {"model": "default", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+    r = httpx.post(app.base_url + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200
+    page.wait_for_function(f"+(document.body.dataset.updates || 0) > {before}")
+    page.wait_for_function(f"Chart.getChart('chart-toks').data.datasets[0].data.length >= {points} + 7")
+    page.wait_for_function("Chart.getChart('chart-time').data.labels.length > 0")
+    screenshot(page, "telemetry-live")
+
+
+def test_the_fit_table_of_a_fake_hub_repo(page: Any, app: App) -> None:
+    page.goto("/ui/models")
+    wait_ready(page)
+    page.fill("#hub-query", "llama")
+    page.click("#hub-search")
+    page.locator("#hub-table button", has_text="Choose").first.click()
+    page.wait_for_selector(".fit-row")
+    rows = page.locator(".fit-row")
+    expected = httpx.get(app.base_url + "/ui/api/models/fit", params={"repo": "fake-org/llama-8b-shaped"}).json()
+    assert rows.count() == len(expected["rows"]) == 2
+    for i, row in enumerate(expected["rows"]):
+        assert rows.nth(i).get_attribute("data-verdict") == row["verdict"]
+        assert rows.nth(i).locator("td").first.inner_text() == f"{row['context']:,}"
+    assert "32 layers, 8 KV heads × 128" in page.locator("#fit-usable").inner_text()
+    screenshot(page, "models-fit")
+
+
+def test_a_download_shows_progress_to_done(page: Any, app: App) -> None:
+    from tests.fakes.hub import FakeRepo, safetensors_bytes
+
+    config = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8}
+    weights = safetensors_bytes({"w": ("F16", [1024, 1024])})
+    files = {"config.json": json.dumps(config).encode(), "model.safetensors": weights}
+    app.hub.add(FakeRepo(repo_id="fake-org/tiny-download", files=files))
+    page.goto("/ui/models")
+    wait_ready(page)
+    page.fill("#fit-repo", "fake-org/tiny-download")
+    page.click("#download-go")
+    page.wait_for_selector(".download[data-status='done']")
+    assert "2.0 MB / 2.0 MB" in page.locator(".download[data-status='done']").inner_text()
+    page.wait_for_selector("#local-table td:text-is('fake-org/tiny-download')")
+    screenshot(page, "models-download")
+
+
+def test_the_roofline_measures_bandwidth_and_the_ceiling(page: Any, app: App) -> None:
+    page.goto("/ui/roofline")
+    wait_ready(page)
+    page.fill("#roof-max", "8")
+    page.click("#roof-go")
+    page.wait_for_function("document.body.dataset.roofline === '1'")
+    assert page.locator("#r-bw").inner_text().endswith("GB/s")
+    assert page.locator("#roof-table tbody tr").count() == 2
+    screenshot(page, "roofline")

@@ -1,0 +1,62 @@
+"""Local models: LM Studio's folder, the mlx-dspark cache and the hub cache; HF_ENDPOINT reaches the hub adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_dspark.adapters.hf.catalog import LocalModelCatalog, lm_studio_dirs
+from mlx_dspark.application import bootstrap
+from mlx_dspark.application.settings import load_settings
+from tests.fakes.scripted import ScriptedLoader
+
+CONFIG = {"model_type": "qwen2", "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
+          "quantization": {"bits": 4, "group_size": 64}}  # fmt: skip
+
+
+def _model(folder: Path, weights: int) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    (folder / "model.safetensors").write_bytes(b"\0" * weights)
+    return folder
+
+
+def test_lm_studio_and_project_cache_models_are_listed_with_their_facts(tmp_path: Path) -> None:
+    lm = tmp_path / "lmstudio"
+    mlx_model = _model(lm / "mlx-community" / "Qwen-4bit", 1000)
+    (lm / "bartowski" / "Llama-GGUF").mkdir(parents=True)
+    gguf = lm / "bartowski" / "Llama-GGUF" / "llama.Q4_K_M.gguf"
+    gguf.write_bytes(b"\0" * 300)
+    converted = _model(tmp_path / "cache" / "gguf" / "v1-abc-f32", 500)
+    _model(tmp_path / "cache" / "drafters" / "x" / "dflash", 7)  # drafters are not models
+    catalog = LocalModelCatalog(project_cache=tmp_path / "cache", hub_cache=tmp_path / "hub", lm_studio=[lm])
+    found = {m.path: m for m in catalog.local_models() if m.source != "embedded"}
+    assert set(found) == {str(mlx_model), str(gguf), str(converted)}
+    qwen = found[str(mlx_model)]
+    assert (qwen.source, qwen.size_bytes, qwen.bits, qwen.context, qwen.dtype) == (
+        "lm studio",
+        1000 + len(json.dumps(CONFIG)),
+        4,
+        32768,
+        "bfloat16",
+    )
+    assert found[str(gguf)].dtype == "gguf" and found[str(gguf)].size_bytes == 300
+    assert found[str(converted)].source == "mlx-dspark cache"
+    assert all("lookup" in m.drafters for m in found.values())
+    catalog.delete(str(mlx_model))
+    assert not mlx_model.exists() and gguf.exists()
+
+
+def test_lm_studio_folder_follows_its_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LMSTUDIO_MODELS_DIR", str(tmp_path))
+    assert lm_studio_dirs()[0] == tmp_path
+
+
+def test_hf_endpoint_reaches_the_hub_adapter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/")
+    settings = load_settings({"mode": "baseline", "cache_dir": str(tmp_path)}, environ={})
+    dashboard = bootstrap.build_dashboard(bootstrap.build(settings, loader=ScriptedLoader()), settings)
+    assert dashboard.models.hub.endpoint == "http://127.0.0.1:9"  # type: ignore[attr-defined]
+    assert not (tmp_path / "sessions.sqlite3").exists()  # the database appears on first use only

@@ -1,0 +1,120 @@
+"""A real dashboard server on 127.0.0.1 over the scripted fake model (lookup drafts allowed), a fake hub and
+a temporary SQLite file; shared by the dashboard API tests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import pytest
+
+from mlx_dspark.application import bootstrap
+from mlx_dspark.application.settings import load_settings
+from mlx_dspark.domain.drafting.lookup import LookupDraftSource
+from mlx_dspark.domain.ports import DraftSource
+from mlx_dspark.entrypoints.http.app import create_app
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.fakes.hub import FakeHub, FakeRepo, safetensors_bytes, serve
+from tests.fakes.scripted import ScriptedLoader
+from tests.integration.http.conftest import _serve
+
+REPLY = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
+
+# A Llama-3-8B-shaped repo: the fit estimate reads only the config and safetensors headers.
+LLAMA8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+}
+
+
+def llama8b_tensors() -> dict[str, tuple[str, list[int]]]:
+    t: dict[str, tuple[str, list[int]]] = {
+        "embed": ("BF16", [128256, 4096]),
+        "lm_head": ("BF16", [128256, 4096]),
+    }
+    for i in range(32):
+        t[f"l{i}.attn"] = ("BF16", [4096, 6144])  # q, k, v, o = 4096×(4096+1024+1024) + 4096×4096
+        t[f"l{i}.o"] = ("BF16", [4096, 4096])
+        t[f"l{i}.mlp"] = ("BF16", [3, 4096, 14336])
+    return t
+
+
+class DraftingLoader(ScriptedLoader):
+    """The scripted model with n-gram lookup drafts, so races and telemetry have speculative rounds."""
+
+    def load_drafter(self, kind: str, spec: str | None, model: object, *, bits: int | None) -> DraftSource:
+        if kind == "lookup":
+            return LookupDraftSource(block=4)
+        return super().load_drafter(kind, spec, model, bits=bits)  # type: ignore[arg-type]
+
+    def available_drafters(self, model: object) -> Sequence[str]:
+        return ["lookup"]
+
+
+def fit_weight_bytes() -> int:
+    from mlx_dspark.domain.fit import weight_bytes
+
+    return weight_bytes(llama8b_tensors())
+
+
+@attrs.define
+class WebServer:
+    base_url: str
+    hub: FakeHub
+    recorder: RecordingTelemetrySink
+    db: Path
+    hf_cache: Path
+    api_key: str | None
+
+
+def fake_hub() -> FakeHub:
+    hub = FakeHub()
+    hub.add(
+        FakeRepo(
+            repo_id="fake-org/llama-8b-shaped",
+            files={
+                "config.json": json.dumps(LLAMA8B).encode(),
+                "model.safetensors": safetensors_bytes(llama8b_tensors(), with_data=False),
+            },
+            listed_sizes={"model.safetensors": fit_weight_bytes()},
+        )
+    )
+    return hub
+
+
+def make_web_server(
+    tmp: Path, *, api_key: str | None = None, hub: FakeHub | None = None, reply: str = REPLY
+) -> Iterator[WebServer]:
+    from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
+    from mlx_dspark.adapters.hf.hub import HfModelHub
+
+    hub = hub or fake_hub()
+    with serve(hub):
+        loader = DraftingLoader(lambda _prompt: reply, name="local-model", context_window=1 << 16)
+        flags = {"mode": "baseline", "max_draft": "4", "api_key": api_key}
+        settings = load_settings({k: v for k, v in flags.items() if v is not None}, environ={})
+        recorder = RecordingTelemetrySink()
+        services = bootstrap.build(settings, loader=loader, telemetry=recorder, clock=FakeClock(), calibration=object())
+        hf_cache = tmp / "hf"
+        dashboard = bootstrap.build_dashboard(
+            services,
+            settings,
+            session_db=str(tmp / "sessions.sqlite3"),
+            catalog=LocalModelCatalog(project_cache=tmp / "cache", hub_cache=hf_cache, lm_studio=[]),
+            hub=HfModelHub(hub.url, cache_dir=str(hf_cache)),
+        )
+        app = create_app(services, settings, dashboard=dashboard)
+        for base, _ in _serve(app):
+            yield WebServer(base, hub, recorder, tmp / "sessions.sqlite3", hf_cache, api_key)
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebServer]:
+    yield from make_web_server(tmp_path_factory.mktemp("web"))

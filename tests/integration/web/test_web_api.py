@@ -1,0 +1,320 @@
+"""The dashboard's HTTP API on a real server over the scripted model: sessions, chat, race, telemetry, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_dspark.domain.events import RoundFinished
+from tests.integration.web.conftest import REPLY, WebServer, make_web_server
+
+
+def sse(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+def post_stream(base: str, path: str, body: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
+    with httpx.stream("POST", base + path, json=body, timeout=60, **kw) as r:
+        assert r.status_code == 200, r.read()
+        return list(sse(r))
+
+
+def test_pages_render_with_the_header_gauge(web: WebServer) -> None:
+    for page in ("chat", "models", "telemetry", "roofline", "race"):
+        r = httpx.get(f"{web.base_url}/ui/{page}")
+        assert r.status_code == 200 and 'id="gauge"' in r.text and f'data-page="{page}"' in r.text
+    home = httpx.get(web.base_url + "/", headers={"Accept": "text/html"})
+    assert 'data-page="chat"' in home.text
+    # SDKs probing the base URL still get JSON
+    assert httpx.get(web.base_url + "/").json()["status"] == "ok"
+    assert httpx.get(web.base_url + "/static/vendor/chart.js-4.6.1/chart.umd.min.js").status_code == 200
+
+
+def test_a_chat_turn_streams_and_both_messages_are_saved(web: WebServer) -> None:
+    session = httpx.post(web.base_url + "/ui/api/sessions", json={"title": ""}).json()
+    options = {"max_tokens": 40, "mode": "lookup", "system": "Be brief."}
+    events = post_stream(
+        web.base_url, f"/ui/api/sessions/{session['id']}/chat", {"content": "Say it.", "options": options}
+    )
+    text = "".join(e["text"] for e in events if e["type"] == "text")
+    assert text and REPLY.startswith(text)
+    done = [e for e in events if e["type"] == "done"]
+    assert len(done) == 1
+    stats = done[0]["stats"]
+    assert stats["mode"] == "lookup" and stats["completion_tokens"] > 0 and stats["rounds"] > 0
+    assert stats["mean_accepted"] > 1.0  # the repeated sentence is drafted by lookup and accepted
+    saved = httpx.get(f"{web.base_url}/ui/api/sessions/{session['id']}").json()
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+    assert saved["messages"][1]["content"] == text and saved["messages"][1]["stats"]["mode"] == "lookup"
+    assert saved["title"] == "Say it." and saved["settings"]["system"] == "Be brief."
+    # a second turn sees the history and reuses the cached prompt prefix
+    events = post_stream(
+        web.base_url, f"/ui/api/sessions/{session['id']}/chat", {"content": "Again.", "options": options}
+    )
+    assert next(e for e in events if e["type"] == "done")["stats"]["cached_prompt_tokens"] > 0
+
+
+def test_sessions_are_listed_renamed_exported_and_deleted(web: WebServer) -> None:
+    sid = httpx.post(web.base_url + "/ui/api/sessions", json={"title": "Draft"}).json()["id"]
+    post_stream(web.base_url, f"/ui/api/sessions/{sid}/chat", {"content": "Hello there", "options": {"max_tokens": 8}})
+    assert httpx.patch(f"{web.base_url}/ui/api/sessions/{sid}", json={"title": "Renamed"}).status_code == 200
+    listed = {s["id"]: s for s in httpx.get(web.base_url + "/ui/api/sessions").json()}
+    assert listed[sid]["title"] == "Renamed" and listed[sid]["messages"] == 2
+    md = httpx.get(f"{web.base_url}/ui/api/sessions/{sid}/export?format=md")
+    assert md.headers["content-type"].startswith("text/markdown")
+    assert md.text.startswith("# Renamed") and "## User" in md.text and "Hello there" in md.text
+    exported = httpx.get(f"{web.base_url}/ui/api/sessions/{sid}/export?format=json").json()
+    assert exported["session"]["title"] == "Renamed" and len(exported["messages"]) == 2
+    assert httpx.delete(f"{web.base_url}/ui/api/sessions/{sid}").status_code == 200
+    assert httpx.get(f"{web.base_url}/ui/api/sessions/{sid}").status_code == 404
+    assert httpx.delete(f"{web.base_url}/ui/api/sessions/{sid}").status_code == 404
+
+
+def test_bad_chat_input_is_a_clear_400(web: WebServer) -> None:
+    sid = httpx.post(web.base_url + "/ui/api/sessions", json={}).json()["id"]
+    r = httpx.post(f"{web.base_url}/ui/api/sessions/{sid}/chat", json={"content": "hi", "options": {"temperature": -1}})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]
+    r = httpx.post(f"{web.base_url}/ui/api/sessions/{sid}/chat", json={"content": "  "})
+    assert r.status_code == 400 and "empty" in r.json()["error"]
+    assert httpx.post(f"{web.base_url}/ui/api/sessions/nope/chat", json={"content": "x"}).status_code == 404
+
+
+def test_race_checks_token_ids_and_reports_identical(web: WebServer) -> None:
+    events = post_stream(web.base_url, "/ui/api/race", {"prompt": "Go.", "modes": ["lookup"], "max_tokens": 30})
+    lanes = {e["mode"] for e in events if e["type"] == "text"}
+    assert lanes == {"baseline", "lookup"}
+    done = {e["mode"]: e for e in events if e["type"] == "lane_done"}
+    assert done["lookup"]["accepted"] > 0 and done["baseline"]["drafted"] == 0
+    verdict = events[-1]
+    assert verdict["type"] == "verdict" and verdict["identical"] is True
+    assert verdict["lanes"] == [
+        {"mode": "lookup", "identical": True, "divergence": None, "expected": None, "got": None, "context": ""}
+    ]
+
+
+def test_race_refuses_an_unavailable_mode_in_the_stream(web: WebServer) -> None:
+    events = post_stream(web.base_url, "/ui/api/race", {"prompt": "Go.", "modes": ["dflash"], "max_tokens": 4})
+    assert events[-1]["type"] == "error" and "dflash" in events[-1]["message"]
+
+
+def test_telemetry_stream_carries_rounds_of_a_request(web: WebServer) -> None:
+    got: list[dict[str, Any]] = []
+    ready = threading.Event()
+
+    def listen() -> None:
+        with httpx.stream("GET", web.base_url + "/ui/api/telemetry/stream?replay=0", timeout=30) as r:
+            for event in sse(r):
+                got.append(event)
+                ready.set()
+                if event["type"] == "finished":
+                    return
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    assert ready.wait(10)  # the hello frame
+    post_stream(web.base_url, "/ui/api/race", {"prompt": "Telemetry.", "modes": ["lookup"], "max_tokens": 12})
+    thread.join(30)
+    kinds = [e["type"] for e in got]
+    assert kinds[0] == "hello" and "request" in kinds and "prefill" in kinds and "finished" in kinds
+    rounds = [e for e in got if e["type"] == "round"]
+    assert rounds and all({"drafted", "accepted", "cap", "source", "positions", "batch"} <= set(r) for r in rounds)
+    assert all(len(r["positions"]) <= r["drafted"] and sum(r["positions"]) == r["accepted"] for r in rounds)
+    # the wrapped sink (structlog in production) still received every event
+    assert any(isinstance(e, RoundFinished) for _, e in web.recorder.events)
+
+
+def test_metrics_parse_as_prometheus_text_and_count_requests(web: WebServer) -> None:
+    def families() -> dict[str, Any]:
+        text = httpx.get(web.base_url + "/metrics").text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(fams: dict[str, Any], name: str, **labels: str) -> float:
+        return sum(s.value for s in fams[name].samples if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    before = families()
+    post_stream(web.base_url, "/ui/api/race", {"prompt": "Metrics.", "modes": ["lookup"], "max_tokens": 30})
+    after = families()
+    assert value(after, "mlx_dspark_requests") - value(before, "mlx_dspark_requests") == 2  # two lanes
+    assert value(after, "mlx_dspark_generated_tokens") - value(before, "mlx_dspark_generated_tokens") == 60
+    assert value(after, "mlx_dspark_accepted_tokens") > value(before, "mlx_dspark_accepted_tokens")
+    assert value(after, "mlx_dspark_cache_hits") > value(
+        before, "mlx_dspark_cache_hits"
+    )  # lane 2 reuses lane 1's prompt
+    for name in ("mlx_dspark_queue_depth", "mlx_dspark_memory_bytes", "mlx_dspark_acceptance_ratio", "mlx_dspark_up"):
+        assert name in after
+    assert value(after, "mlx_dspark_up") == 1.0
+    assert 0 < value(after, "mlx_dspark_acceptance_ratio") <= 1
+
+
+def test_status_reports_the_gauge_numbers(web: WebServer) -> None:
+    s = httpx.get(web.base_url + "/ui/api/status").json()
+    assert s["ready"] and s["model"] == "local-model" and s["mode"] == "baseline"
+    assert s["queue_depth"] == 0 and "active" in s["memory"] and s["drafters"] == ["lookup"]
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebServer]:
+    yield from make_web_server(tmp_path_factory.mktemp("keyed"), api_key="sekrit")
+
+
+def test_the_api_key_guards_pages_api_and_metrics(keyed: WebServer) -> None:
+    base = keyed.base_url
+    page = httpx.get(base + "/ui/chat")
+    assert page.status_code == 401 and "API key required" in page.text
+    assert httpx.get(base + "/ui/api/sessions").status_code == 401
+    assert httpx.get(base + "/metrics").status_code == 401
+    assert httpx.get(base + "/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    assert httpx.post(base + "/ui/api/login", json={"key": "wrong"}).status_code == 401
+    with httpx.Client(base_url=base) as client:
+        r = client.post("/ui/api/login", json={"key": "sekrit"})
+        assert r.status_code == 200 and "httponly" in r.headers["set-cookie"].lower()
+        assert "samesite=strict" in r.headers["set-cookie"].lower()
+        assert client.get("/ui/api/sessions").status_code == 200
+        assert 'data-page="chat"' in client.get("/ui/chat").text
+
+
+def test_sessions_survive_a_server_restart(tmp_path: Path) -> None:
+    for server in make_web_server(tmp_path):
+        sid = httpx.post(server.base_url + "/ui/api/sessions", json={"title": "Keep"}).json()["id"]
+        post_stream(
+            server.base_url, f"/ui/api/sessions/{sid}/chat", {"content": "Remember", "options": {"max_tokens": 6}}
+        )
+    for server in make_web_server(tmp_path):
+        saved = httpx.get(f"{server.base_url}/ui/api/sessions/{sid}").json()
+        assert saved["title"] == "Keep" and next(m["content"] for m in saved["messages"]) == "Remember"
+
+
+def test_top_prints_the_gauge_of_a_running_server(web: WebServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlx_dspark.entrypoints.cli import top
+
+    post_stream(web.base_url, "/ui/api/race", {"prompt": "Top.", "modes": ["lookup"], "max_tokens": 30})
+    assert top.main(["--url", web.base_url, "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "local-model" in out and "mode baseline" in out and "[ready]" in out
+    assert "tok/s" in out and "last request" in out and "acceptance" in out and "%" in out
+    assert top.main(["--url", "http://127.0.0.1:9", "--once"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_top_honours_the_api_key(keyed: WebServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlx_dspark.entrypoints.cli import top
+
+    assert top.main(["--url", keyed.base_url, "--once"]) == 1
+    assert "api-key" in capsys.readouterr().err
+    assert top.main(["--url", keyed.base_url, "--once", "--api-key", "sekrit"]) == 0
+
+
+def test_the_fit_estimate_of_a_hub_repo_matches_hand_computed_bytes(web: WebServer) -> None:
+    from tests.integration.web.conftest import fit_weight_bytes
+
+    r = httpx.get(web.base_url + "/ui/api/models/fit", params={"repo": "fake-org/llama-8b-shaped"}).json()
+    weights = fit_weight_bytes()
+    assert r["weights"] == weights == 16_059_990_016 and r["download_bytes"] >= weights
+    overhead = 512 * (1 << 20) + int(0.05 * weights)
+    assert [(row["context"], row["kv_cache"], row["total"]) for row in r["rows"]] == [
+        (4096, 512 * (1 << 20), weights + 512 * (1 << 20) + overhead),
+        (8192, 1 << 30, weights + (1 << 30) + overhead),
+    ]
+    usable = r["usable"]["bytes"]
+    for row in r["rows"]:
+        expected = "green" if row["total"] <= 0.8 * usable else "yellow" if row["total"] <= usable else "red"
+        assert row["verdict"] == expected
+    missing = httpx.get(web.base_url + "/ui/api/models/fit", params={"repo": "fake-org/nothing"})
+    assert missing.status_code == 404 and "not found" in missing.json()["error"]
+
+
+def test_download_list_and_delete_a_model_through_the_api(tmp_path: Path) -> None:
+    import time
+
+    from tests.fakes.hub import FakeRepo, safetensors_bytes
+    from tests.integration.web.conftest import fake_hub
+
+    hub = fake_hub()
+    config = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8}
+    files = {
+        "config.json": json.dumps(config).encode(),
+        "model.safetensors": safetensors_bytes({"w": ("F16", [64, 64])}),
+    }
+    hub.add(FakeRepo(repo_id="fake-org/small", files=files))
+    for server in make_web_server(tmp_path, hub=hub):
+        job = httpx.post(server.base_url + "/ui/api/models/download", json={"repo_id": "fake-org/small"}).json()
+        for _ in range(200):
+            state = {d["id"]: d for d in httpx.get(server.base_url + "/ui/api/models/downloads").json()}[job["id"]]
+            if state["status"] in ("done", "failed"):
+                break
+            time.sleep(0.05)
+        assert state["status"] == "done" and state["done"] == state["total"] == sum(len(b) for b in files.values())
+        local = {m["name"]: m for m in httpx.get(server.base_url + "/ui/api/models/local").json()}
+        assert local["fake-org/small"]["source"] == "huggingface cache"
+        bad = httpx.post(server.base_url + "/ui/api/models/delete", json={"path": "/etc"})
+        assert bad.status_code == 400
+        ok = httpx.post(server.base_url + "/ui/api/models/delete", json={"path": local["fake-org/small"]["path"]})
+        assert ok.status_code == 200
+        assert "fake-org/small" not in {m["name"] for m in httpx.get(server.base_url + "/ui/api/models/local").json()}
+        assert not (server.hf_cache / "models--fake-org--small").exists()
+        bad_id = httpx.post(server.base_url + "/ui/api/models/download", json={"repo_id": "no-slash"})
+        assert bad_id.status_code == 400
+
+
+def test_switching_the_served_mode_goes_through_the_engine(tmp_path: Path) -> None:
+    for server in make_web_server(tmp_path):
+        r = httpx.post(
+            server.base_url + "/ui/api/models/load", json={"model": "local-model", "mode": "lookup"}, timeout=60
+        )
+        assert r.status_code == 200 and r.json() == {"ok": True, "model": "local-model", "mode": "lookup"}
+        status = httpx.get(server.base_url + "/ui/api/status").json()
+        assert status["mode"] == "lookup"
+        # the API now decodes with lookup drafts too (same engine, same generator)
+        body = {"model": "local-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 30}
+        assert httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        rounds = [e for _, e in server.recorder.events if isinstance(e, RoundFinished)]
+        assert rounds[-1].source == "lookup" or any(e.source == "lookup" for e in rounds)
+        bad = httpx.post(
+            server.base_url + "/ui/api/models/load", json={"model": "local-model", "mode": "dflash"}, timeout=60
+        )
+        assert bad.status_code >= 400 and "dflash" in bad.json()["error"]
+        assert httpx.get(server.base_url + "/ui/api/status").json()["mode"] == "lookup"  # a failed switch keeps it
+
+
+def test_a_reply_cut_off_by_the_client_is_saved_as_far_as_it_went(tmp_path: Path) -> None:
+    long_reply = " ".join(f"word{i}" for i in range(20000))
+    for server in make_web_server(tmp_path, reply=long_reply):
+        sid = httpx.post(server.base_url + "/ui/api/sessions", json={}).json()["id"]
+        body = {"content": "Talk a lot.", "options": {"max_tokens": 30000}}
+        with httpx.stream("POST", f"{server.base_url}/ui/api/sessions/{sid}/chat", json=body, timeout=60) as r:
+            first = next(sse(r))
+        assert first["type"] == "text"  # the client hangs up after the first delta
+        import time
+
+        for _ in range(200):
+            messages = httpx.get(f"{server.base_url}/ui/api/sessions/{sid}").json()["messages"]
+            if len(messages) == 2:
+                break
+            time.sleep(0.05)
+        user, reply = messages
+        assert user["content"] == "Talk a lot."
+        assert reply["stats"]["outcome"] == "cancelled" and long_reply.startswith(reply["content"])
+        assert 0 < len(reply["content"]) < len(long_reply)
+        assert httpx.get(server.base_url + "/ui/api/status").json()["queue_depth"] == 0
+
+
+def test_an_idle_telemetry_stream_ends_and_resumes_after_the_last_event_id(web: WebServer) -> None:
+    post_stream(web.base_url, "/ui/api/race", {"prompt": "Resume.", "modes": ["lookup"], "max_tokens": 6})
+    with httpx.stream("GET", web.base_url + "/ui/api/telemetry/stream?replay=2000", timeout=30) as r:
+        lines = list(r.iter_lines())  # ends by itself once idle
+    ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
+    assert "retry: 1000" in lines and len(ids) > 4 and ids == sorted(ids)
+    resume = ids[-3]
+    headers = {"Last-Event-ID": str(resume)}
+    with httpx.stream("GET", web.base_url + "/ui/api/telemetry/stream", headers=headers, timeout=30) as r:
+        again = [int(line[4:]) for line in r.iter_lines() if line.startswith("id: ")]
+    assert again == [i for i in ids if i > resume]  # exactly the events after the last one seen
