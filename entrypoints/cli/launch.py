@@ -41,7 +41,9 @@ def parser(client: str) -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="the server's key (a fresh server is started with it)")
     p.add_argument("--context-window", type=int, help="cap the context window of a server started here")
     p.add_argument(
-        "--max-output-tokens", type=int, help="output cap to announce to the client (default: a quarter of the window)"
+        "--max-output-tokens",
+        type=int,
+        help="output cap announced to the client and enforced by a server started here (default: window / 4)",
     )
     p.add_argument("--server-log", help="where a server started here logs (default: a new file in the temp dir)")
     if client == "pi":
@@ -93,6 +95,8 @@ def serve_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--api-key", args.api_key]
     if args.context_window:
         cmd += ["--context-window", str(args.context_window)]
+    if args.max_output_tokens:  # Codex sends no output cap of its own: the server enforces the announced one
+        cmd += ["--max-tokens-cap", str(args.max_output_tokens)]
     return cmd
 
 

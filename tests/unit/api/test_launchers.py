@@ -121,14 +121,14 @@ def test_every_model_flag_reaches_the_server_it_starts() -> None:
     argv = [
         "--model", "some/model", "--mode", "dspark", "--drafter", "d/r", "--drafter-bits", "4", "--max-draft", "3",
         "--confidence-threshold", "0.25", "--trust-remote-code", "--cache-dir", "/c", "--log-level", "debug",
-        "--api-key", "k", "--context-window", "4096", "--port", "9123",
+        "--api-key", "k", "--context-window", "4096", "--port", "9123", "--max-output-tokens", "512",
     ]  # fmt: skip
     cmd = launch.serve_command(launch.parser("claude").parse_args(argv))
     assert cmd[cmd.index("serve") :] == [
         "serve", "--host", "127.0.0.1", "--port", "9123", "--model", "some/model", "--mode", "dspark",
         "--drafter", "d/r", "--drafter-bits", "4", "--max-draft", "3", "--confidence-threshold", "0.25",
         "--trust-remote-code", "--cache-dir", "/c", "--log-level", "debug", "--api-key", "k",
-        "--context-window", "4096",
+        "--context-window", "4096", "--max-tokens-cap", "512",
     ]  # fmt: skip
     # and `serve` takes each of them
     from mlx_dspark.entrypoints.cli import serve
