@@ -168,11 +168,6 @@ class EngineThread:
             return "the server is shutting down"
         return "the inference engine is not running"
 
-    @property
-    def queue_depth(self) -> int:
-        """Jobs waiting for the engine thread (not counting the one running)."""
-        return self._jobs.qsize()
-
     # ---- jobs ---------------------------------------------------------------------------------------------
 
     def switch(
@@ -218,8 +213,8 @@ class EngineThread:
         return job
 
     @property
-    def waiting(self) -> int:
-        """Jobs queued and not yet started."""
+    def queue_depth(self) -> int:
+        """Jobs waiting for the engine thread, both lanes (not counting the one running)."""
         return self._waiting
 
     def _taken(self) -> None:

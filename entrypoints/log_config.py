@@ -24,8 +24,12 @@ def _console_exceptions() -> structlog.typing.ExceptionRenderer:
     return structlog.dev.RichTracebackFormatter(show_locals=False)
 
 
-def configure_logging(settings: TelemetrySettings, *, cache: bool = True) -> None:
-    """Console lines on a terminal, JSON otherwise, on stderr; one shared format for stdlib loggers too."""
+def configure_logging(settings: TelemetrySettings) -> None:
+    """Console lines on a terminal, JSON otherwise, on stderr; one shared format for stdlib loggers too.
+
+    Loggers are not cached: module-level loggers would otherwise keep the first configuration (and its
+    output stream) for good, and a later configure (a test, a launcher moving logs to a file) would not apply.
+    """
     out = sys.stderr
     level = getattr(logging, settings.log_level.upper(), logging.INFO)
     json_logs = settings.json_logs if settings.json_logs is not None else not out.isatty()
@@ -44,7 +48,7 @@ def configure_logging(settings: TelemetrySettings, *, cache: bool = True) -> Non
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=out),
-        cache_logger_on_first_use=cache,
+        cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(out)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=shared))

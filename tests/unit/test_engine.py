@@ -63,13 +63,13 @@ def test_past_the_bound_a_submit_is_overloaded_and_the_queue_recovers() -> None:
         running = engine.submit(_held(gate, started, log))
         await asyncio.to_thread(started.wait, 10)
         waiting = [engine.submit(lambda _: iter([1])), engine.submit(lambda _: iter([2]), quick=True)]
-        assert engine.waiting == 2
+        assert engine.queue_depth == 2
         with pytest.raises(Overloaded, match="try again"):
             engine.submit(lambda _: iter([3]))
         gate.set()
         assert [i async for i in running] == [0, 1, 2]
         assert [await job.next() for job in waiting] == [1, 2]
-        assert engine.waiting == 0
+        assert engine.queue_depth == 0
         assert await engine.submit(lambda _: iter([4])).next() == 4  # room again
         engine.stop(5)
 

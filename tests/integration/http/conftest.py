@@ -141,7 +141,7 @@ class CapturedLogs:
 def capture_logs(json_logs: bool = True) -> CapturedLogs:
     """Configure logging as the CLI does (debug level), then send its lines to a buffer."""
     captured = CapturedLogs()
-    configure_logging(TelemetrySettings(log_level="debug", json_logs=json_logs), cache=False)
+    configure_logging(TelemetrySettings(log_level="debug", json_logs=json_logs))
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=captured.buffer))
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.StreamHandler):

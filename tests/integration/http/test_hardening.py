@@ -310,7 +310,7 @@ def test_past_the_queue_bound_each_dialect_says_overloaded(live: LiveServer) -> 
         _wait(live.loader.target.reached_gate.is_set)  # the first one runs (held at the gate)
         for t in senders[1:]:
             t.start()
-        _wait(lambda: engine.waiting == 2)
+        _wait(lambda: engine.queue_depth == 2)
         r = _send(live, "/v1/chat/completions", BODIES["/v1/chat/completions"])
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert _error("/v1/chat/completions", r)["code"] == "rate_limit_exceeded"
@@ -352,7 +352,7 @@ def test_count_tokens_runs_on_the_engine_thread_between_two_tokens(live: LiveSer
         _wait(target.reached_gate.is_set)
         tok.encode = spy  # type: ignore[method-assign]
         counter.start()
-        _wait(lambda: engine.waiting == 1)  # queued on the engine, not run on the event loop
+        _wait(lambda: engine.queue_depth == 1)  # queued on the engine, not run on the event loop
         assert not seen
     finally:
         target.gate = None
