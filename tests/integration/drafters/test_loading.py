@@ -47,8 +47,11 @@ class RecordingTarget:
     def __init__(self) -> None:
         self.captured: list[int] | None = None
 
-    def configure_capture(self, layer_ids: list[int]) -> None:
+    def add_capture(self, layer_ids: list[int]) -> None:
         self.captured = layer_ids
+
+    def feature_columns(self, layer_ids: list[int]) -> None:
+        return None
 
 
 def test_dflash_schema_revisions_parse_to_the_same_backbone(tmp_path: Path) -> None:
