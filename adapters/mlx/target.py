@@ -220,6 +220,11 @@ class MlxTargetModel:
     def cached_ids(self) -> tuple[int, ...]:
         return tuple(self._ids)
 
+    @property
+    def step_queued(self) -> bool:
+        """Whether a plain step is queued ahead of the last verify (invisible until used or dropped)."""
+        return self._ahead is not None
+
     # Configuration --------------------------------------------------------------------------------
 
     def configure_capture(self, layer_ids: tuple[int, ...]) -> None:
