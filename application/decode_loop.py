@@ -1,7 +1,9 @@
 """The one decode loop every mode runs: prefill, then rounds of draft → verify → accept → commit/rollback.
 
 Plain decoding is this loop with no draft source (cap 0), so budget, stop and sampling rules are the
-same in every mode by construction.
+same in every mode by construction. Its speed comes from the target: when the next round is known to be
+another plain step, the loop hands over that step's uniform (`ahead`) so the target can queue it before
+the host reads the current token. Uniforms are drawn in the same order either way.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def decode(
     else:
         policy = cap_policy or FixedCap(source.max_block)
         source.begin(prompt)
-    reuse = target.reset(keep=max(0, min(reuse_prefix, len(prompt) - 1)))
+    wants_features = source is not None and source.uses_features
+    reuse = target.reset(keep=max(0, min(reuse_prefix, len(prompt) - 1)), capture=wants_features)
 
     start = clock.now()
     first = target.prefill(prompt[reuse:], sampling, rng.random())
@@ -98,6 +101,7 @@ def decode(
         )
 
     index = 0
+    queued: float | None = None  # the uniform of a plain step the target may already have queued
     while finish is None:
         depth = target.cached_tokens
         if context_window is not None and depth + 1 >= context_window:
@@ -117,7 +121,17 @@ def decode(
             block = source.propose(ctx, cap, sampling, [rng.random() for _ in range(cap)])
             block = block.truncated(cap)
         t1 = clock.now()
-        verdict = target.verify(anchor, block, sampling, [rng.random() for _ in range(len(block) + 1)])
+        if len(block):
+            uniforms = [rng.random() for _ in range(len(block) + 1)]
+        else:
+            uniforms = [queued if queued is not None else rng.random()]
+        queued = None
+        # Plain mode: the next round is another plain step unless this one ends the request.
+        if source is None and generated + 1 < stop.max_tokens and (
+            context_window is None or depth + 2 < context_window
+        ):
+            queued = rng.random()
+        verdict = target.verify(anchor, block, sampling, uniforms, ahead=queued)
         candidates = (*block.tokens[: verdict.accepted], verdict.next_token)
         plan = plan_commit(candidates, generated, stop)
         target.commit(plan.keep_rows)

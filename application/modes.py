@@ -37,11 +37,21 @@ def parse_max_draft(value: str | int | None) -> int | None:
     return n
 
 
-def load_source(services: Services, settings: Settings, model: LoadedModel, kind: str) -> DraftSource | None:
-    """The draft source of one mode ("baseline" → None)."""
+def load_source(
+    services: Services, settings: Settings, model: LoadedModel, kind: str, *, only_own_kind: bool = False
+) -> DraftSource | None:
+    """The draft source of one mode ("baseline" → None).
+
+    Args:
+        only_own_kind: `--drafter` applies only to a drafter of its own kind; other kinds load their
+            packaged drafter (auto mode). Otherwise a drafter of another kind is refused by the loader.
+    """
     if kind == PLAIN:
         return None
-    return services.loader.load_drafter(kind, settings.model.drafter, model, bits=settings.model.drafter_bits)
+    spec = settings.model.drafter
+    if spec and only_own_kind and kind != "lookup" and services.loader.drafter_kind(spec) not in (None, kind):
+        spec = None
+    return services.loader.load_drafter(kind, spec, model, bits=settings.model.drafter_bits)
 
 
 def build_generator(
@@ -132,7 +142,7 @@ def auto_candidates(
     wanted = [k for k in kinds if k != PLAIN] if kinds is not None else [k for k in SPECULATIVE_KINDS if k in available]
     for kind in wanted:
         try:
-            source = load_source(services, settings, model, kind)
+            source = load_source(services, settings, model, kind, only_own_kind=True)
         except DomainError as exc:
             if kinds is not None:
                 raise

@@ -35,6 +35,10 @@ class ModelLoader(Protocol):
         """Kinds of draft source that can run on `model` without extra arguments."""
         ...
 
+    def drafter_kind(self, spec: str) -> str | None:
+        """The kind ("dflash", "dspark") of the drafter checkpoint `spec`, or None when it cannot be read."""
+        ...
+
 
 class CalibrationStore(Protocol):
     """Measured cost curves and auto-mode race results, keyed by full identity (device and MLX version included).

@@ -43,8 +43,13 @@ class TargetModel(Protocol):
         """The token ids of the cached rows, in order (prefix reuse compares against them)."""
         ...
 
-    def reset(self, keep: int = 0) -> int:
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
         """Drop every cached row past the first `keep` (0 = a fresh request).
+
+        Args:
+            keep: leading rows to keep (prefix reuse).
+            capture: whether this request reads target features; without it a target records none
+                (plain decoding pays nothing for drafters loaded beside it).
 
         Returns:
             The rows really kept: a cache that cannot cut exactly at `keep` keeps fewer (or none).
@@ -56,9 +61,20 @@ class TargetModel(Protocol):
         ...
 
     def verify(
-        self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
     ) -> Acceptance:
-        """Run [anchor, drafts...] in one forward and decide acceptance (one host sync)."""
+        """Run [anchor, drafts...] in one forward and decide acceptance (one host sync).
+
+        `ahead`, given only for an empty block whose next round is known to be another plain step
+        (with that uniform): the target may queue that step from its own token before reading it back.
+        A queued step is invisible: any other next call drops it exactly. Targets may ignore it.
+        """
         ...
 
     def commit(self, keep_rows: int) -> None:

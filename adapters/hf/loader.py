@@ -18,7 +18,7 @@ from mlx_dspark.adapters.hf.cache import cache_root
 from mlx_dspark.adapters.hf.gguf import converted_dir
 from mlx_dspark.adapters.hf.resolve import looks_like_path, model_identity, resolve_snapshot
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
-from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable
+from mlx_dspark.domain.errors import IncompatibleDrafter, InvalidRequest, ModelUnavailable
 from mlx_dspark.domain.model import LoadedModel
 
 # What an mlx-lm checkpoint needs from a hub snapshot (mlx-lm fetches the same set).
@@ -327,6 +327,12 @@ class HfModelLoader:
             raise InvalidRequest(
                 message=f"unknown drafter kind {kind!r} (lookup, {', '.join(DRAFTER_KINDS)})", param="drafter"
             )
+        if spec is not None:
+            spec_kind = self.drafter_kind(spec)
+            if spec_kind is not None and spec_kind != kind:
+                raise IncompatibleDrafter(
+                    message=f"drafter {spec!r} is a {spec_kind} drafter; mode {kind} needs a {kind} drafter"
+                )
         if spec is None:
             found = packaged_drafters(model.name, self._cache).get(kind)
             if found is None:
@@ -345,13 +351,13 @@ class HfModelLoader:
         """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""
         kinds = ["lookup", *packaged_drafters(model.name, self._cache)]
         if self._drafter_spec:
-            kind = self._spec_kind(self._drafter_spec)
+            kind = self.drafter_kind(self._drafter_spec)
             if kind and kind not in kinds:
                 kinds.append(kind)
         return kinds
 
     @staticmethod
-    def _spec_kind(spec: str) -> str | None:
+    def drafter_kind(spec: str) -> str | None:
         """The kind of a drafter checkpoint, read from its config.json (unreadable → None)."""
         from mlx_dspark.adapters.mlx.drafters.config import drafter_kind
 

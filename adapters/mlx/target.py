@@ -2,6 +2,12 @@
 
 Hidden states are tapped per instance: each decoder layer of this model object gets a subclass of its own
 class that records its output; nothing in mlx or mlx-lm is patched, and parameter names do not change.
+The taps capture the union of the layers every loaded drafter asked for (`add_capture`); each drafter
+reads its own columns (`feature_columns`), and a request that needs no features records none.
+
+Plain decoding is pipelined: a verify of an empty block may queue the next step from its own on-device
+token (`verify(..., ahead=u)`) before the host reads that token, as mlx-lm's `generate_step` does. The
+queued step is invisible: it is used only by the verify it predicted, and dropped exactly otherwise.
 """
 
 from __future__ import annotations
@@ -104,6 +110,27 @@ class _Pending:
         self.features = features
 
 
+class _Ahead:
+    """A plain step queued from a token still on device: one cache row past the pending verify."""
+
+    def __init__(
+        self,
+        token: mx.array,
+        next_token: mx.array,
+        uniform: float,
+        sampling: SamplingParams,
+        checkpoint: cache_ops.Checkpoint | None,
+        features: mx.array | None,
+    ) -> None:
+        self.token = token  # its input (the previous verify's next token)
+        self.next_token = next_token  # its output, queued with async_eval
+        self.uniform = uniform
+        self.sampling = sampling
+        self.checkpoint = checkpoint
+        self.features = features
+        self.anchor: int | None = None  # the input token's value, once the host has read it
+
+
 class MlxTargetModel:
     """The TargetModel port over an mlx-lm model, with exact rollback for every cache kind.
 
@@ -144,12 +171,16 @@ class MlxTargetModel:
         self._recorder = _Recorder()
         self._hub = self._install_taps()
         self._capture: tuple[int, ...] = ()
+        self._columns: dict[tuple[tuple[int, ...], tuple[int, ...]], mx.array] = {}
+        self._recording = False  # whether this request records features (see reset)
         self._caches: list[Any] = []
         self._plain = True
         self._offset = 0
         self._ids: list[int] = []  # token ids of the cached rows, for prefix reuse
         self._pending: _Pending | None = None
+        self._ahead: _Ahead | None = None
         self._feature_chunks: list[mx.array] = []
+        self._feature_rows = 0  # leading cached rows whose features are in _feature_chunks
         self._features_read = 0  # chunks already handed out by take_features
         self._fresh()
         self.configure_capture(capture_layers)
@@ -189,10 +220,15 @@ class MlxTargetModel:
     def cached_ids(self) -> tuple[int, ...]:
         return tuple(self._ids)
 
+    @property
+    def step_queued(self) -> bool:
+        """Whether a plain step is queued ahead of the last verify (invisible until used or dropped)."""
+        return self._ahead is not None
+
     # Configuration --------------------------------------------------------------------------------
 
     def configure_capture(self, layer_ids: tuple[int, ...]) -> None:
-        """Capture these layers' outputs from now on; a change starts from an empty cache.
+        """Capture exactly these layers' outputs from now on; a change starts from an empty cache.
 
         Args:
             layer_ids: 0-based decoder-layer indices, each meaning that layer's output (HF
@@ -207,24 +243,66 @@ class MlxTargetModel:
             return
         self._capture = ids
         self._recorder.wanted = frozenset(ids)
-        self.reset(0)
+        self._recording = bool(ids)
+        self._fresh()
+
+    def add_capture(self, layer_ids: Sequence[int]) -> None:
+        """Also capture these layers (a drafter's taps), keeping every layer captured so far.
+
+        Features keep the earlier layers' columns first; each drafter finds its own with
+        `feature_columns`, so loading a second drafter never changes what the first one reads.
+        """
+        wanted = tuple(int(i) for i in layer_ids)
+        union = self._capture + tuple(dict.fromkeys(i for i in wanted if i not in self._capture))
+        self.configure_capture(union)
+
+    def feature_columns(self, layer_ids: Sequence[int]) -> mx.array | None:
+        """Column indices of `layer_ids` (in that order) in the features `take_features` returns.
+
+        Returns:
+            None when the features are exactly those layers, else an int32 index array for `take`.
+
+        Raises:
+            ValueError: a layer is not captured.
+        """
+        ids = tuple(int(i) for i in layer_ids)
+        if ids == self._capture:
+            return None
+        missing = [i for i in ids if i not in self._capture]
+        if missing:
+            raise ValueError(f"layers {missing} are not captured (captured: {list(self._capture)})")
+        key = (self._capture, ids)
+        cols = self._columns.get(key)
+        if cols is None:
+            h = self._hidden
+            starts = mx.array([self._capture.index(i) * h for i in ids], dtype=mx.int32)
+            cols = (starts[:, None] + mx.arange(h, dtype=mx.int32)[None]).reshape(-1)
+            self._columns[key] = cols
+        return cols
 
     # The port -------------------------------------------------------------------------------------
 
-    def reset(self, keep: int = 0) -> int:
-        """Drop every cached row past the first `keep`; returns the rows really kept."""
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
+        """Drop every cached row past the first `keep`; returns the rows really kept.
+
+        Args:
+            keep: leading rows to keep (prefix reuse).
+            capture: whether this request reads features (a drafter that uses them). Without it
+                nothing is recorded; with it, rows cached without features are not kept.
+        """
+        self._drop_ahead()
         if self._pending is not None:
             self.commit(0)
+        self._recording = capture and bool(self._capture)
         keep = max(0, min(keep, self._offset))
+        if self._recording:
+            keep = min(keep, self._feature_rows)
         drop = self._offset - keep
         if keep > 0 and cache_ops.can_cut(self._caches, drop):
             cache_ops.cut(self._caches, drop)
             self._offset = keep
             del self._ids[keep:]
-            if self._capture:
-                history = self._all_features()
-                self._feature_chunks = [history[:keep]]
-                self._features_read = 0
+            self._keep_features(min(keep, self._feature_rows))
         else:
             self._fresh()
         return self._offset
@@ -233,19 +311,21 @@ class MlxTargetModel:
         """Append `tokens` to the cache in chunks and return the first argmax or sampled token."""
         if self._pending is not None:
             raise RuntimeError("prefill while a verify awaits its commit")
+        self._drop_ahead()
         tokens = list(tokens)
         if not tokens:
             raise ValueError("prefill needs at least one token")
         body, last = tokens[:-1], tokens[-1]
+        record = self._recording
         for start in range(0, len(body), self._prefill_chunk):
             piece = body[start : start + self._prefill_chunk]
-            self._forward(piece, record=True)
-            features = self._recorded()
+            self._forward(mx.array(piece), record=record)
+            features = self._recorded() if record else None
             # Evaluate chunk by chunk so activation memory stays bounded by the chunk size.
             mx.eval(cache_ops.cache_arrays(self._caches), [] if features is None else features)
             self._add_features(features)
-        logits = self._forward([last], record=True)[0, -1]
-        features = self._recorded()
+        logits = self._forward(mx.array([last]), record=record)[0, -1]
+        features = self._recorded() if record else None
         token = pick_token(logits, sampling, uniform)
         mx.eval(token, [] if features is None else features)
         self._add_features(features)
@@ -253,16 +333,36 @@ class MlxTargetModel:
         self._ids.extend(tokens)
         return int(cast(int, token.item()))
 
-    def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
-        """Run [anchor, drafts...] in one forward and decide acceptance on device (one host sync)."""
+    def verify(
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
+    ) -> Acceptance:
+        """Run [anchor, drafts...] in one forward and decide acceptance on device (one host sync).
+
+        Args:
+            anchor: the last committed token.
+            block: the drafts (empty for a plain step).
+            sampling: the request's sampling.
+            uniforms: len(block) + 1 uniforms.
+            ahead: for a plain step, the uniform of the next plain step: that step is queued from
+                this step's token before the host reads it, and used if the next verify is that step.
+        """
         if self._pending is not None:
             raise RuntimeError("verify while the previous verify awaits its commit")
         drafts = list(block.tokens)
+        if not drafts:
+            return self._plain_step(anchor, sampling, uniforms[0] if uniforms else 0.5, ahead)
+        self._drop_ahead()
         k = len(drafts)
         tokens = [anchor, *drafts]
         checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
-        logits = self._forward(tokens, record=True)[0]
-        features = self._recorded()
+        logits = self._forward(mx.array(tokens), record=self._recording)[0]
+        features = self._recorded() if self._recording else None
         self._pending = _Pending(tokens, checkpoint, features)
         extra = [] if features is None else [features]
         if sampling.greedy:
@@ -289,6 +389,8 @@ class MlxTargetModel:
         if not 0 <= keep_rows <= width:
             raise ValueError(f"keep_rows must be in [0, {width}], got {keep_rows}")
         drop = width - keep_rows
+        if drop:
+            self._drop_ahead()  # its row sits on top of the rows being dropped
         if drop and cache_ops.can_cut(self._caches, drop):
             cache_ops.cut(self._caches, drop)
         elif drop:
@@ -304,7 +406,7 @@ class MlxTargetModel:
         """Features of the rows committed since the last call: float32 [rows, len(capture) * hidden].
 
         Rows are in position order; after `reset(keep)` the next call returns all kept rows. None
-        when no layers are configured.
+        when no layers are configured. Columns follow `capture_layers` (see `feature_columns`).
         """
         if not self._capture:
             return None
@@ -320,6 +422,56 @@ class MlxTargetModel:
 
     # Internals ------------------------------------------------------------------------------------
 
+    def _plain_step(self, anchor: int, sampling: SamplingParams, uniform: float, ahead: float | None) -> Acceptance:
+        """One token after `anchor`, using the step queued by the previous verify when it predicted this one."""
+        queued, self._ahead = self._ahead, None
+        if queued is not None and not (
+            queued.anchor == anchor and queued.uniform == uniform and queued.sampling == sampling
+        ):
+            self._ahead = queued
+            self._drop_ahead()
+            queued = None
+        if queued is not None:
+            token, checkpoint, features = queued.next_token, queued.checkpoint, queued.features
+        else:
+            checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
+            token, features = self._queue_step(mx.array([anchor]), sampling, uniform)
+        self._pending = _Pending([anchor], checkpoint, features)
+        if ahead is not None:
+            # Queue the next step on the token before reading it: the host builds it while this one runs.
+            ahead_checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
+            nxt, nxt_features = self._queue_step(token, sampling, ahead)
+            self._ahead = _Ahead(token, nxt, ahead, sampling, ahead_checkpoint, nxt_features)
+        value = int(cast(int, token.item()))
+        if self._ahead is not None:
+            self._ahead.anchor = value
+        return Acceptance(accepted=0, next_token=value)
+
+    def _queue_step(
+        self, token: mx.array, sampling: SamplingParams, uniform: float
+    ) -> tuple[mx.array, mx.array | None]:
+        """Forward one token (host or device array of shape [1]) and queue its pick with async_eval."""
+        logits = self._forward(token, record=self._recording)[0, -1]
+        features = self._recorded() if self._recording else None
+        nxt = pick_token(logits, sampling, uniform)
+        if features is None:
+            mx.async_eval(nxt)
+        else:
+            mx.async_eval(nxt, features)
+        return nxt, features
+
+    def _drop_ahead(self) -> None:
+        """Undo a queued plain step exactly (its row is the newest)."""
+        queued, self._ahead = self._ahead, None
+        if queued is None:
+            return
+        if cache_ops.can_cut(self._caches, 1):
+            cache_ops.cut(self._caches, 1)
+        else:
+            assert queued.checkpoint is not None
+            queued.checkpoint.restore()
+            cache_ops.trim_offset_caches(self._caches, 1)
+
     def _install_taps(self) -> _TapHub:
         """Tap every decoder layer once per model; targets sharing a model share the hub."""
         existing = getattr(self._layers[0], "_dspark_tap", None) if self._layers else None
@@ -331,28 +483,31 @@ class MlxTargetModel:
             layer._dspark_tap = _LayerTap(hub, index)
         return hub
 
-    def _forward(self, tokens: list[int], record: bool) -> mx.array:
-        """Run tokens after the cached rows; the taps record into this target when `record`."""
+    def _forward(self, tokens: mx.array, record: bool) -> mx.array:
+        """Run tokens (ids [n]) after the cached rows; the taps record into this target when `record`."""
         self._hub.recorder = self._recorder
         self._recorder.active = record and bool(self._capture)
         try:
-            logits: mx.array = self._model(mx.array(tokens)[None], cache=self._caches)
+            logits: mx.array = self._model(tokens.reshape(1, -1), cache=self._caches)
             return logits
         finally:
             self._recorder.active = False
 
     def _fresh(self) -> None:
+        self._ahead = None
+        self._pending = None
         self._caches = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
         self._plain = cache_ops.all_cut_by_offset(self._caches)
         self._offset = 0
         self._ids = []
         self._feature_chunks = []
+        self._feature_rows = 0
         self._features_read = 0
 
     def _recorded(self) -> mx.array | None:
         """The captured rows of the forward that just ran, [rows, len(capture) * hidden]."""
         rec = self._recorder
-        if not self._capture:
+        if not self._capture or not rec.rows:
             return None
         parts = [rec.rows[i][0] for i in self._capture]
         rec.rows = {}
@@ -361,6 +516,16 @@ class MlxTargetModel:
     def _add_features(self, rows: mx.array | None) -> None:
         if rows is not None and rows.shape[0]:
             self._feature_chunks.append(rows)
+            self._feature_rows += int(rows.shape[0])
+
+    def _keep_features(self, n: int) -> None:
+        """Keep the features of the first `n` rows; the next take_features hands out all of them."""
+        self._features_read = 0
+        if n == self._feature_rows and len(self._feature_chunks) <= 1:
+            return
+        history = self._all_features()[:n]
+        self._feature_chunks = [history] if n else []
+        self._feature_rows = n
 
     def _all_features(self) -> mx.array:
         if not self._feature_chunks:
@@ -375,4 +540,4 @@ class MlxTargetModel:
 
     def _replay(self, tokens: list[int]) -> None:
         """Run kept rows again after a rewind; their logits are never read, so the head is not computed."""
-        self._forward(tokens, record=False)
+        self._forward(mx.array(tokens), record=False)

@@ -32,6 +32,8 @@ class OracleTarget:
     Attributes:
         rows: tokens whose rows are in the cache, in order.
         trims: how many rows each commit rolled back (for assertions).
+        calls: (drafts, uniforms, ahead) of every verify, in order.
+        captures: the `capture` flag of every reset.
     """
 
     def __init__(
@@ -50,6 +52,8 @@ class OracleTarget:
         self._feature_rows: list[tuple[int, int]] = []
         self.trims: list[int] = []
         self.verify_widths: list[int] = []
+        self.calls: list[tuple[int, tuple[float, ...], float | None]] = []
+        self.captures: list[bool] = []
 
     # The pure function that defines this target.
     def logits(self, prefix: Sequence[int]) -> list[float]:
@@ -80,7 +84,8 @@ class OracleTarget:
     def cached_ids(self) -> tuple[int, ...]:
         return tuple(self.rows)
 
-    def reset(self, keep: int = 0) -> int:
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
+        self.captures.append(capture)
         del self.rows[keep:]
         self._pending = []
         self._feature_rows = [(i, t) for i, t in enumerate(self.rows)]
@@ -96,8 +101,15 @@ class OracleTarget:
         return self._pick(self.rows, sampling, uniform)
 
     def verify(
-        self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
     ) -> Acceptance:
+        self.calls.append((len(block), tuple(uniforms), ahead))
         rows = [anchor, *block.tokens]
         self.verify_widths.append(len(rows))
         self._pending = rows

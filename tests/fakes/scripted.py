@@ -52,12 +52,12 @@ class ScriptedTarget(OracleTarget):
         self.emitted.append(0)
         return super().prefill(tokens, sampling, uniform)
 
-    def verify(self, anchor, block, sampling, uniforms):  # type: ignore[no-untyped-def]
+    def verify(self, anchor, block, sampling, uniforms, *, ahead=None):  # type: ignore[no-untyped-def]
         if self.gate is not None:
             self.reached_gate.set()
             self.gate.wait()
         self.emitted[-1] += 1
-        return super().verify(anchor, block, sampling, uniforms)
+        return super().verify(anchor, block, sampling, uniforms, ahead=ahead)
 
     def _scripted_logits(self, prefix: Sequence[int]) -> list[float]:
         i = len(prefix) - self._prompt_len
@@ -100,3 +100,6 @@ class ScriptedLoader:
 
     def available_drafters(self, model: LoadedModel) -> Sequence[str]:
         return []
+
+    def drafter_kind(self, spec: str) -> str | None:
+        return None

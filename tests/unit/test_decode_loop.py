@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given, settings
@@ -160,3 +161,26 @@ def test_plain_decoding_accepts_exactly_one_token_per_round_even_when_eos_ends_i
     _, _, fin = run(OracleTarget(), [4, 5], StopRule(max_tokens=30, eos_ids=frozenset({eos})))
     assert fin.reason is FinishReason.STOP
     assert fin.usage.mean_accepted == 1.0
+
+
+def test_plain_mode_hands_the_next_steps_uniform_ahead_in_draw_order() -> None:
+    """`ahead` is the uniform the next plain round then uses; none is offered past the budget."""
+    target = OracleTarget(vocab=16, context=2)
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    events = list(decode(target, [1, 2, 3], sampling, StopRule(max_tokens=6, eos_ids=frozenset()), FakeClock()))
+    assert isinstance(events[-1], Finished)
+    calls = target.calls
+    assert len(calls) == 5  # the prefill token + 5 plain rounds = 6 tokens
+    for (_, _, ahead), (drafts, uniforms, _) in itertools.pairwise(calls):
+        assert drafts == 0 and uniforms == (ahead,)
+    assert calls[-1][2] is None  # the last round is known to end the request
+    assert target.captures == [False]  # plain decoding records no features
+
+
+def test_speculative_rounds_never_queue_ahead_and_capture_features_for_drafters() -> None:
+    target = OracleTarget(vocab=16, context=2)
+    source = ScriptedDraftSource(target, lambda r, i: i < 2, block=4)
+    list(decode(target, [1, 2, 3], SamplingParams(), StopRule(max_tokens=12, eos_ids=frozenset()), FakeClock(),
+                source=source))
+    assert all(ahead is None for _, _, ahead in target.calls)
+    assert target.captures == [source.uses_features]

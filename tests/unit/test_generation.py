@@ -58,6 +58,9 @@ class FakeLoader:
     def available_drafters(self, model: LoadedModel) -> Sequence[str]:
         return []
 
+    def drafter_kind(self, spec: str) -> str | None:
+        return None
+
 
 def make(source=True, eos=frozenset()):
     target = OracleTarget()

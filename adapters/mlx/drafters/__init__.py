@@ -59,7 +59,8 @@ def load_drafter(
         kind: "dflash" or "dspark".
         spec: a local checkpoint directory or an HF repo id.
         target_model: the mlx-lm target module (embedding, head and sizes are read from it).
-        target: the `MlxTargetModel`; when given, its feature capture is configured for this drafter.
+        target: the `MlxTargetModel`; when given, it also captures this drafter's layers (those of
+            drafters loaded before stay captured: each drafter reads its own columns).
         bits: quantize the drafter to 4 or 8 bits (group 64), 0 for none, None for the device default.
         confidence_threshold: DSpark only; > 0 truncates blocks on the running confidence product.
         proposal: "sample" (drafts drawn from q, q reported) or "argmax" (one-hot q); both lossless.
@@ -92,5 +93,6 @@ def load_drafter(
         )
         source = DSparkDraftSource(dspark, proposal=proposal, confidence_threshold=confidence_threshold)
     if target is not None:
-        target.configure_capture(list(source.target_layer_ids))
+        target.add_capture(list(source.target_layer_ids))
+        source.bind_features(target.feature_columns)
     return source

@@ -4,7 +4,7 @@ the block layout, and turning per-slot logits into proposals (argmax, or sampled
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -25,6 +25,12 @@ class BackboneDraftSource:
         self.drafter = drafter
         self.proposal = proposal
         self.cache = ContextCache(drafter)
+        # Where this drafter's layers sit in the target's features (which may hold other drafters' too).
+        self._columns: Callable[[Sequence[int]], mx.array | None] = lambda _ids: None
+
+    def bind_features(self, columns: Callable[[Sequence[int]], mx.array | None]) -> None:
+        """Read this drafter's layers through `columns(layer_ids)` (None = the features are exactly them)."""
+        self._columns = columns
 
     @property
     def uses_features(self) -> bool:
@@ -44,7 +50,9 @@ class BackboneDraftSource:
             return
         n = int(features.shape[-2])
         if n:
-            self.cache.append(features, ctx.position - n)
+            cols = self._columns(self.target_layer_ids)
+            own = features if cols is None else mx.take(features, cols, axis=-1)
+            self.cache.append(own, ctx.position - n)
 
     def block_ids(self, anchor: int) -> mx.array:
         cfg = self.drafter.config

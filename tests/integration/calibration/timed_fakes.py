@@ -53,10 +53,18 @@ class TimedTarget(OracleTarget):
         self.clock.advance(self.verify_cost(len(tokens), len(self.rows)))
         return super().prefill(tokens, sampling, uniform)
 
-    def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
+    def verify(
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
+    ) -> Acceptance:
         self.blocks.append((anchor, *block.tokens))
         self.clock.advance(self.verify_cost(len(block) + 1, len(self.rows)))
-        return super().verify(anchor, block, sampling, uniforms)
+        return super().verify(anchor, block, sampling, uniforms, ahead=ahead)
 
 
 class TimedSource(ScriptedDraftSource):

@@ -122,7 +122,7 @@ class ReferenceTarget:
     def cached_ids(self) -> tuple[int, ...]:
         return tuple(self.rows)
 
-    def reset(self, keep: int = 0) -> int:
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
         del self.rows[keep:]
         self._taken = 0
         return len(self.rows)
@@ -136,7 +136,13 @@ class ReferenceTarget:
         return sample_index(distribution(row, sampling), uniform)
 
     def verify(
-        self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
     ) -> Acceptance:
         self._pending = [anchor, *block.tokens]
         logits, _ = target_forward(self.model, [*self.rows, *self._pending])

@@ -47,8 +47,11 @@ class RecordingTarget:
     def __init__(self) -> None:
         self.captured: list[int] | None = None
 
-    def configure_capture(self, layer_ids: list[int]) -> None:
+    def add_capture(self, layer_ids: list[int]) -> None:
         self.captured = layer_ids
+
+    def feature_columns(self, layer_ids: list[int]) -> None:
+        return None
 
 
 def test_dflash_schema_revisions_parse_to_the_same_backbone(tmp_path: Path) -> None:
@@ -298,3 +301,92 @@ def test_the_confidence_threshold_setting_reaches_dspark_and_spares_dflash(tmp_p
     assert dspark.confidence_threshold == 0.4
     dflash = loader.load_drafter("dflash", str(helpers.write_dflash(tmp_path / "df")), model, bits=0)
     assert dflash.max_block >= 1
+
+
+class _Proposals:
+    """Delegates to a draft source and records every proposed block (what its features made it draft)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.blocks: list[tuple[int, ...]] = []
+        self.name, self.max_block, self.uses_features = source.name, source.max_block, source.uses_features
+
+    def begin(self, prompt: Any) -> None:
+        self.source.begin(prompt)
+
+    def propose(self, ctx: Any, cap: int, sampling: Any, uniforms: Any) -> Any:
+        block = self.source.propose(ctx, cap, sampling, uniforms)
+        self.blocks.append(block.tokens)
+        return block
+
+
+def _proposals(target: Any, source: Any, prompt: list[int]) -> list[tuple[int, ...]]:
+    from mlx_dspark.application.decode_loop import decode
+    from mlx_dspark.domain.tokens import SamplingParams, StopRule
+    from tests.fakes.clock import FakeClock
+
+    recorder = _Proposals(source)
+    target.reset(0)
+    for _ in decode(target, prompt, SamplingParams(), StopRule(max_tokens=24), FakeClock(), source=recorder):
+        pass
+    return recorder.blocks
+
+
+def test_a_second_drafter_does_not_change_the_first_ones_taps(tmp_path: Path, qwen3_target: Any) -> None:
+    """Two drafters on one target, tapping different layers: each drafts exactly what it drafts alone."""
+    from mlx_dspark.adapters.mlx.target import MlxTargetModel
+
+    dflash_dir = helpers.write_dflash(tmp_path / "df", variant="v2", layer_ids=(0, 2))
+    dspark_dir = helpers.write_dspark(tmp_path / "ds", qwen3_target, layer_ids=(3, 1))
+    prompt = [5, 9, 13, 2, 40, 41, 7]
+
+    def alone(kind: str, path: Path) -> list[tuple[int, ...]]:
+        model = helpers.tiny_target("qwen3", seed=2)
+        target = MlxTargetModel(model)
+        return _proposals(target, load_drafter(kind, str(path), model, target=target, bits=0), prompt)
+
+    model = helpers.tiny_target("qwen3", seed=2)
+    shared = MlxTargetModel(model)
+    first = load_drafter("dflash", str(dflash_dir), model, target=shared, bits=0)
+    second = load_drafter("dspark", str(dspark_dir), model, target=shared, bits=0)
+    assert shared.capture_layers == (0, 2, 3, 1)
+    dflash_blocks = _proposals(shared, first, prompt)
+    assert dflash_blocks == alone("dflash", dflash_dir)
+    assert _proposals(shared, second, prompt) == alone("dspark", dspark_dir)
+    # The two drafters read different layers, so a mix-up would change what they draft.
+    assert len(dflash_blocks) > 2 and len({b for b in dflash_blocks}) > 1
+
+
+def test_drafter_flag_applies_only_to_its_own_kind(tmp_path: Path, qwen3_target: Any) -> None:
+    """`--drafter` names one kind: the loader refuses it for another kind; auto mode loads the others' own."""
+    from types import SimpleNamespace
+
+    from mlx_dspark.adapters.hf.loader import HfModelLoader
+    from mlx_dspark.application.modes import load_source
+    from mlx_dspark.domain.errors import IncompatibleDrafter
+
+    dspark_dir = str(helpers.write_dspark(tmp_path / "ds", qwen3_target))
+    options = SimpleNamespace(
+        trust_remote_code=False, cache_dir=str(tmp_path), drafter=dspark_dir, confidence_threshold=0
+    )
+    loader = HfModelLoader(options)
+    assert loader.drafter_kind(dspark_dir) == "dspark"
+    with pytest.raises(IncompatibleDrafter, match="is a dspark drafter"):
+        loader.load_drafter("dflash", dspark_dir, SimpleNamespace(name="x", handle=qwen3_target), bits=0)
+
+    asked: list[tuple[str, str | None]] = []
+
+    class Loader:
+        def drafter_kind(self, spec: str) -> str | None:
+            return loader.drafter_kind(spec)
+
+        def load_drafter(self, kind: str, spec: str | None, model: Any, *, bits: int | None) -> str:
+            asked.append((kind, spec))
+            return kind
+
+    services = SimpleNamespace(loader=Loader())
+    settings = SimpleNamespace(model=SimpleNamespace(drafter=dspark_dir, drafter_bits=None))
+    for kind in ("dflash", "dspark", "lookup"):
+        load_source(services, settings, None, kind, only_own_kind=True)  # type: ignore[arg-type]
+    load_source(services, settings, None, "dflash")  # type: ignore[arg-type]
+    assert asked == [("dflash", None), ("dspark", dspark_dir), ("lookup", dspark_dir), ("dflash", dspark_dir)]
