@@ -53,6 +53,9 @@ class TrainPlan:
         seed: data order, anchors and initialisation.
         checkpoint_every / log_every / eval_every: in steps (eval 0 = only at the end).
         save_dtype: dtype of the published weights.
+        compile: compile the training step (`mx.compile`; shapes bucketed), the fast path on a GPU.
+        init_from: a published drafter checkpoint to start from (a later slot continuing a committed
+            drafter with new data: its weights and draft vocabulary, a fresh optimizer and schedule).
     """
 
     kind: str
@@ -77,6 +80,8 @@ class TrainPlan:
     log_every: int = 10
     eval_every: int = 0
     save_dtype: str = "float32"
+    compile: bool = False
+    init_from: str | None = None
 
 
 @attrs.frozen(kw_only=True)

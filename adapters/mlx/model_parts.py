@@ -145,3 +145,12 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     if scale != 1.0:
         out = out * scale
     return softcap(out, final_logit_softcap(model))
+
+
+def head_rows(model: nn.Module, token_ids: mx.array) -> mx.array:
+    """The target head's weight rows [len(token_ids), H] (float32) for `token_ids`, whatever the head's
+    layout (tied, untied, quantized): read as head_projection(I), so every layout is read the same way."""
+    h = hidden_size(model)
+    eye = mx.eye(h, dtype=_decoder(model).norm.weight.dtype)
+    full = head_projection(model, eye).astype(mx.float32).T
+    return full[token_ids.astype(mx.int32)]

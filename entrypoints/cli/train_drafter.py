@@ -38,13 +38,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--steps", type=int, help="cap on training steps")
     p.add_argument("--time-budget", type=float, help="seconds of training (sets the step count from measured speed)")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="dspark: head vocabulary (d2t); 0 = full")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="head vocabulary (the most frequent response tokens, d2t); 0 = full",
+    )
+    p.add_argument("--compile", action="store_true", help="compile the training step (mx.compile; fast on a GPU)")
+    p.add_argument("--init-from", help="start from this published drafter checkpoint (its shape and weights)")
     p.add_argument("--markov-rank", type=int, default=32, help="dspark: Markov head rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between held-out τ estimates (0 = end only)")
     p.add_argument("--save-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/training/")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/training/, or, when OUT holds only a published drafter, continue that drafter "
+        "with this run's data (fresh optimizer and schedule)",
+    )
     p.add_argument("--measure", action="store_true", help="afterwards, measure τ and speedup on held-out prompts")
     p.add_argument("--measure-only", action="store_true", help="only measure the checkpoint in --out")
     p.add_argument("--measure-tokens", type=int, default=128)
@@ -113,7 +125,7 @@ def main(argv: Sequence[str]) -> int:
                 layers=args.layers,
                 block_size=block,
                 target_layers=_layers(args.target_layers),
-                draft_vocab=args.draft_vocab if args.kind == "dspark" else 0,
+                draft_vocab=args.draft_vocab,
                 markov_rank=args.markov_rank,
                 lr=args.lr,
                 epochs=args.epochs,
@@ -125,6 +137,8 @@ def main(argv: Sequence[str]) -> int:
                 checkpoint_every=args.checkpoint_every,
                 eval_every=args.eval_every,
                 save_dtype=args.save_dtype,
+                compile=args.compile,
+                init_from=args.init_from,
             )
             data = DataOptions(
                 prompts=args.prompts,

@@ -72,6 +72,7 @@ class DFlashConfig:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    draft_vocab_size: int | None = None  # a reduced head of target rows with a d2t table (this project's)
 
 
 @attrs.frozen(kw_only=True)
@@ -200,6 +201,7 @@ def parse_dflash(raw: Mapping[str, Any], where: str = "drafter") -> DFlashConfig
         input_embedding_scale=_first(dcfg, raw, key="input_embedding_scale"),
         output_multiplier=_first(dcfg, raw, key="output_multiplier"),
         final_logit_softcapping=_first(dcfg, raw, key="final_logit_softcapping"),
+        draft_vocab_size=_first(dcfg, raw, key="draft_vocab_size"),
     )
 
 
@@ -258,8 +260,7 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
             layer,
             block_size=raw.get("block_size"),
             mask_token_id=raw.get("mask_token_id"),
-            target_layer_ids=_first(raw, key="aux_hidden_state_layer_ids")
-            or _first(raw, key="target_layer_ids"),
+            target_layer_ids=_first(raw, key="aux_hidden_state_layer_ids") or _first(raw, key="target_layer_ids"),
             num_target_layers=raw.get("num_target_layers"),
             target_hidden_size=raw.get("target_hidden_size"),
             non_causal=_non_causal(raw, layer),
@@ -307,7 +308,7 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
 
 
 def drafter_kind(raw: Mapping[str, Any]) -> str | None:
-    """"dspark" or "dflash" from a drafter's config.json (by its markers, never by its name), or None."""
+    """ "dspark" or "dflash" from a drafter's config.json (by its markers, never by its name), or None."""
     try:
         dspark_packaging(raw)
     except ModelUnavailable:

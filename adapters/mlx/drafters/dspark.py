@@ -208,6 +208,16 @@ class DSparkDrafter(DrafterBackbone):
             ModelUnavailable: missing/unexpected tensors or wrong shapes.
         """
         own_embedding = "embed_tokens.weight" in weights
+        weights = dict(weights)
+        if "d2t" in weights and "lm_head.weight" not in weights:
+            # This project's reduced heads ship no rows: they are the target head's rows of the d2t ids.
+            d2t_rows = weights["d2t"].astype(mx.int32)
+            mapped_rows = mx.arange(d2t_rows.shape[0]) + d2t_rows
+            if (
+                int(mx.max(mapped_rows).item()) < model_parts.vocab_size(target_model)
+                and int(mx.min(mapped_rows).item()) >= 0
+            ):
+                weights["lm_head.weight"] = model_parts.head_rows(target_model, mapped_rows)
         own_head = "lm_head.weight" in weights
         check_fits_target(
             config.backbone, target_model, uses_target_vocab=not (own_embedding and own_head), where=where
@@ -276,9 +286,7 @@ class DSparkDraftSource(BackboneDraftSource):
     def max_block(self) -> int:
         return self.drafter.config.block_size - self.drafter.dspark_config.first_draft_slot
 
-    def propose(
-        self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
-    ) -> DraftBlock:
+    def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
         """Up to `cap` drafts, left to right through the Markov head; truncated on confidence if enabled."""
         self.ingest(ctx)
         n = max(0, min(cap, self.max_block))

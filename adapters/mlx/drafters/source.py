@@ -63,9 +63,7 @@ class BackboneDraftSource:
         return not sampling.greedy and self.proposal == "sample"
 
 
-def pick(
-    logits: mx.array, sampling: SamplingParams, uniforms: mx.array | None
-) -> tuple[mx.array, mx.array | None]:
+def pick(logits: mx.array, sampling: SamplingParams, uniforms: mx.array | None) -> tuple[mx.array, mx.array | None]:
     """Proposals from logits [V] or [n, V]: argmax (q None) when `uniforms` is None, else inverse-CDF draws
     from q = the target's own truncation of these logits (adapters/mlx/acceptance.py), returned with q.
 

@@ -48,11 +48,5 @@ def capture(
 
 
 def head_rows(model: nn.Module, token_ids: Sequence[int]) -> mx.array:
-    """The target head's weight rows [len(token_ids), H] for `token_ids` (tied, untied or quantized heads).
-
-    Computed as head_projection(I) so that every head layout is read the same way.
-    """
-    h = model_parts.hidden_size(model)
-    eye = mx.eye(h, dtype=mx.float32)
-    full = model_parts.head_projection(model, eye.astype(model_parts._decoder(model).norm.weight.dtype))
-    return full.astype(mx.float32).T[mx.array(list(token_ids), dtype=mx.int32)]
+    """The target head's weight rows [len(token_ids), H] for `token_ids` (see `model_parts.head_rows`)."""
+    return model_parts.head_rows(model, mx.array(list(token_ids), dtype=mx.int32))

@@ -113,6 +113,7 @@ def build_batch(
     mask_token_id: int,
     rng: np.random.Generator,
     pad_id: int = 0,
+    bucket: int = 0,
 ) -> HostBatch:
     """Lay out one training step (§2.4): N random anchors per sequence, each a block [anchor, MASK × (bs−1)].
 
@@ -123,12 +124,17 @@ def build_batch(
         mask_token_id: the mask token.
         rng: the run's random generator (advanced here).
         pad_id: id used for right padding.
+        bucket: > 0 pads the context length up to a multiple of it and always lays out `anchors` blocks,
+            so a compiled step sees few distinct shapes.
     """
     bs, slots = layout.block_size, layout.slots
     b = len(seqs)
     s = max(len(x.tokens) for x in seqs)
     drawn = [sample_anchors(rng, len(x.tokens), x.prompt_len, anchors, layout) for x in seqs]
     n = max(1, *(len(a) for a in drawn))
+    if bucket > 0:
+        s = -(-s // bucket) * bucket
+        n = max(n, anchors)
     q = n * bs
     ctx_ids = np.full((b, s), pad_id, dtype=np.int32)
     block_ids = np.full((b, n, bs), mask_token_id, dtype=np.int32)

@@ -10,6 +10,7 @@ The plan object is read by attribute (it is the application's `TrainPlan`; adapt
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ from mlx_dspark.adapters.mlx.training.recipe import (
 
 Progress = Callable[[Mapping[str, Any]], None]
 EVAL_SEED = 1234  # held-out anchors are the same at every evaluation
+BUCKET = 64  # context lengths of a compiled step are padded to a multiple of this
 
 
 def drafter_config(plan: Any, model: nn.Module) -> dict[str, Any]:
@@ -70,13 +72,16 @@ def drafter_config(plan: Any, model: nn.Module) -> dict[str, Any]:
         "layer_types": ["full_attention"] * int(plan.layers),
     }
     if plan.kind == "dflash":
-        return {
+        out_dflash: dict[str, Any] = {
             "architectures": ["DFlashDraftModel"],
             **common,
             "block_size": int(plan.block_size),
             "dflash_config": {"mask_token_id": int(plan.mask_token_id), "target_layer_ids": list(plan.target_layers)},
             "tie_word_embeddings": True,
         }
+        if plan.draft_vocab:
+            out_dflash["dflash_config"]["draft_vocab_size"] = int(plan.draft_vocab)
+        return out_dflash
     out = {
         "architectures": ["Qwen3DSparkModel"],
         **common,
@@ -115,12 +120,17 @@ def build_drafter(plan: Any, model: nn.Module, draft_ids: np.ndarray | None) -> 
     mx.random.seed(int(plan.seed))
     embed = target_embedding(model, None)
     drafter: nn.Module
+    vocab = model_parts.vocab_size(model)
+    d2t = None if draft_ids is None else mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int32)
     if plan.kind == "dflash":
-        drafter = DFlashDrafter(parse_dflash(config), embed_fn=embed, head_fn=target_head(model, None, None))
+        drafter = DFlashDrafter(
+            parse_dflash(config), embed_fn=embed, head_fn=target_head(model, None, None), vocab_size=vocab, d2t=d2t
+        )
+        if draft_ids is not None:
+            drafter.lm_head.weight = head_rows(model, draft_ids.tolist())
+            drafter.lm_head.freeze()
     else:
-        vocab = model_parts.vocab_size(model)
         ids = np.arange(vocab) if draft_ids is None else draft_ids
-        d2t = None if draft_ids is None else mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int32)
         drafter = DSparkDrafter(
             parse_dspark(config), vocab_size=vocab, embed_fn=embed, own_embedding=False, own_head=True, d2t=d2t
         )
@@ -135,9 +145,51 @@ def build_drafter(plan: Any, model: nn.Module, draft_ids: np.ndarray | None) -> 
 def published_weights(drafter: nn.Module, draft_ids: np.ndarray | None) -> dict[str, mx.array]:
     """Tensors under their published names (+ the speculators-style `d2t` offsets for a reduced vocabulary)."""
     weights = dict(tree_flatten(drafter.parameters()))
-    if draft_ids is not None and isinstance(drafter, DSparkDrafter):
+    if draft_ids is not None:
+        # A reduced head is the target head's rows of the draft ids: loaders rebuild it from the target.
+        weights.pop("lm_head.weight", None)
         weights["d2t"] = mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int64)
     return weights
+
+
+def committed_start(plan: Any, out: Path, resume: bool) -> Path | None:
+    """The published checkpoint a run starts from: `plan.init_from`, or with `resume` the one in `out`
+    when `out` holds no resumable state (a committed drafter continued with new data in a later slot)."""
+    if getattr(plan, "init_from", None):
+        return Path(plan.init_from)
+    if resume and checkpoints.load_state(out) is None and (out / "config.json").is_file():
+        return out
+    return None
+
+
+def _committed(plan: Any, where: Path) -> tuple[Any, np.ndarray | None, dict[str, mx.array]]:
+    """(the plan with the committed drafter's shape, its draft vocabulary, its weights in float32).
+
+    The shape (layers, block, target layers, mask token, Markov rank, draft vocabulary) is the checkpoint's:
+    new data continues the same drafter.
+    """
+    import attrs
+
+    raw = json.loads((where / "config.json").read_text())
+    loaded = mx.load(str(where / "model.safetensors"))
+    assert isinstance(loaded, dict)
+    kind = "dspark" if "markov_rank" in raw else "dflash"
+    if kind != plan.kind:
+        raise ValueError(f"{where} holds a {kind} drafter, not {plan.kind}")
+    dcfg = raw.get("dflash_config") or {}
+    d2t = loaded.pop("d2t", None)
+    draft_ids = None if d2t is None else (np.arange(d2t.shape[0]) + np.array(d2t)).astype(np.int64)
+    plan = attrs.evolve(
+        plan,
+        layers=int(raw["num_hidden_layers"]),
+        block_size=int(raw["block_size"]),
+        target_layers=tuple(dcfg.get("target_layer_ids") or raw["target_layer_ids"]),
+        mask_token_id=int(dcfg.get("mask_token_id", raw.get("mask_token_id", 0))),
+        markov_rank=int(raw.get("markov_rank", plan.markov_rank)),
+        draft_vocab=0 if draft_ids is None else len(draft_ids),
+    )
+    weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in loaded.items()}
+    return plan, draft_ids, weights
 
 
 class _Step:
@@ -156,6 +208,12 @@ class _Step:
         else:
             t2d = np.arange(vocab, dtype=np.int32)
         self.t2d = mx.array(t2d)
+
+    def _draft_labels(self, labels: mx.array) -> mx.array:
+        """Labels as draft-vocabulary ids (IGNORE where unsupervised or outside the draft vocabulary)."""
+        if self.draft_ids is None:
+            return labels
+        return mx.where(labels != IGNORE, self.t2d[mx.maximum(labels, 0)], IGNORE)
 
     def inputs(self, dev: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """Frozen-target inputs of the loss: features, and for DSpark the teacher distribution."""
@@ -189,7 +247,7 @@ class _Step:
     def loss(self, drafter: nn.Module, dev: Mapping[str, mx.array], extra: Mapping[str, mx.array]) -> Any:
         logits, (h, prev) = self.slot_logits(drafter, dev, extra["feats"])
         if self.kind == "dflash":
-            return dflash_loss(logits, dev["labels"], self.layout)
+            return dflash_loss(logits, self._draft_labels(dev["labels"]), self.layout)
         conf = drafter.confidence_logit(h, prev)
         return dspark_loss(
             logits, conf, extra["labels_draft"], dev["labels"], extra["teacher"], extra["outside"], self.layout
@@ -199,7 +257,7 @@ class _Step:
         """Per held-out block and slot: argmax == label (greedy, teacher-forced), and whether supervised."""
         extra = self.inputs(dev)
         logits, _ = self.slot_logits(drafter, dev, extra["feats"])
-        labels = extra.get("labels_draft", dev["labels"])
+        labels = extra.get("labels_draft", self._draft_labels(dev["labels"]))
         guess = mx.argmax(logits, axis=-1)
         hit = np.array(guess == labels)
         sup = np.array(dev["labels"] != IGNORE)
@@ -286,7 +344,7 @@ class MlxDrafterTrainer:
         Returns:
             Facts of the run: steps, total_steps, tokens, loss, tau_estimate, interrupted, ...
         """
-        return _Run(target.handle, plan, sequences, heldout, Path(out_dir), card, progress).run(resume)
+        return _Run(target.handle, plan, sequences, heldout, Path(out_dir), card, progress, resume).run(resume)
 
 
 class _Run:
@@ -299,18 +357,29 @@ class _Run:
         out: Path,
         card: Callable[[Mapping[str, Any]], str],
         progress: Progress | None,
+        resume: bool = False,
     ) -> None:
         model.eval()
         model.freeze()
         self.model, self.plan, self.out, self.card, self.progress = model, plan, out, card, progress
         self.data = [TrainSequence(tokens=tuple(int(t) for t in s), prompt_len=int(p)) for s, p in sequences]
         self.heldout = [TrainSequence(tokens=tuple(int(t) for t in s), prompt_len=int(p)) for s, p in heldout]
-        self.layout = BlockLayout.for_kind(plan.kind, int(plan.block_size))
         vocab = model_parts.vocab_size(model)
         self.draft_ids = None
-        if plan.kind == "dspark" and plan.draft_vocab and plan.draft_vocab < vocab:
+        self.init_from = committed_start(plan, out, resume)
+        init_weights: dict[str, mx.array] | None = None
+        if self.init_from is not None:
+            plan, self.draft_ids, init_weights = _committed(plan, self.init_from)
+            self.plan = plan
+        elif plan.draft_vocab and plan.draft_vocab < vocab:
             self.draft_ids = draft_vocabulary(self.data, int(plan.draft_vocab), vocab, plan.always_draft)
+        self.layout = BlockLayout.for_kind(plan.kind, int(plan.block_size))
         self.drafter, self.config = build_drafter(plan, model, self.draft_ids)
+        if init_weights is not None:
+            if self.draft_ids is not None and "lm_head.weight" not in init_weights:
+                init_weights["lm_head.weight"] = self.drafter.lm_head.weight
+            self.drafter.load_weights(list(init_weights.items()), strict=True)
+            mx.eval(self.drafter.parameters())
         self.step_fn = _Step(plan, model, self.layout, self.draft_ids)
         self.total_steps = 0
         self.schedule: Callable[[mx.array], mx.array] = self._lr
@@ -322,6 +391,8 @@ class _Run:
         self.history: list[dict[str, float]] = []
         self.tokens_seen = 0
         self.tau_history: list[tuple[int, float]] = []
+        self.compiled = bool(getattr(plan, "compile", False))
+        self._compiled_step: Callable[..., Any] | None = None
 
     # schedule -------------------------------------------------------------------------------------------
 
@@ -358,18 +429,30 @@ class _Run:
             anchors=int(self.plan.anchors),
             mask_token_id=int(self.plan.mask_token_id),
             rng=rng,
+            bucket=BUCKET if self.compiled else 0,
         )
         return to_device(host), host.tokens
 
     # steps ----------------------------------------------------------------------------------------------
 
-    def _train_step(self, dev: Mapping[str, mx.array]) -> tuple[mx.array, dict[str, mx.array]]:
+    def _step_body(self, dev: Mapping[str, mx.array]) -> tuple[mx.array, dict[str, mx.array]]:
         extra = self.step_fn.inputs(dev)
         (loss, parts), grads = self.grad_fn(self.drafter, dev, extra)
         grads, norm = optim.clip_grad_norm(grads, float(self.plan.clip))
         self.optimizer.update(self.drafter, grads)
-        mx.eval(loss, parts, norm, self.drafter.parameters(), self.optimizer.state)
         return loss, {**parts, "grad_norm": norm}
+
+    def _train_step(self, dev: Mapping[str, mx.array]) -> tuple[mx.array, dict[str, mx.array]]:
+        if self.compiled and self._compiled_step is None:
+            # The drafter's and optimizer's arrays are the compiled function's state; the frozen target is
+            # a constant. Shapes are bucketed (build_batch), so it traces a handful of times.
+            state = [self.drafter.state, self.optimizer.state]
+            self._compiled_step = mx.compile(self._step_body, inputs=state, outputs=state)
+        step = self._compiled_step if self.compiled else self._step_body
+        assert step is not None
+        loss, parts = step(dict(dev))
+        mx.eval(loss, parts, self.drafter.parameters(), self.optimizer.state)
+        return loss, parts
 
     def _calibrate_steps(self) -> int:
         """Total steps: from epochs, capped by max_steps and by the time budget (measured on 3 throwaway
@@ -459,6 +542,7 @@ class _Run:
             "draft_vocab": None if self.draft_ids is None else len(self.draft_ids),
             "config": self.config,
             "tau_history": self.tau_history,
+            "continued_from": None if self.init_from is None else str(self.init_from),
             **more,
         }
 
@@ -488,12 +572,27 @@ class _Run:
         eval_every = int(self.plan.eval_every or 0)
         t_start, tokens_at_start, step_at_start = time.perf_counter(), self.tokens_seen, self.step
         interrupted = False
+        budget = float(self.plan.time_budget_s or 0)
+        mark: tuple[int, float] | None = None
         try:
             while self.step < self.total_steps:
                 dev, tokens = self._device_batch(self._next_batch(), self.rng)
                 loss, parts = self._train_step(dev)
                 self.step += 1
                 self.tokens_seen += tokens
+                if budget and self.compiled:
+                    # The count calibrated on uncompiled steps is too low for a compiled one: re-estimate once
+                    # from real steps (after the traces), and retrace so the schedule sees the new count.
+                    done_here = self.step - step_at_start
+                    if done_here == 10:
+                        mark = (self.step, time.perf_counter())
+                    elif mark is not None and done_here == 40:
+                        per_step = (time.perf_counter() - mark[1]) / (self.step - mark[0])
+                        left = budget - (time.perf_counter() - t_start)
+                        self.total_steps = max(self.step + 1, self.step + int(left / (per_step * 1.03)))
+                        self._compiled_step = None
+                    if time.perf_counter() - t_start > budget * 1.1:
+                        self.total_steps = self.step  # out of time: finish here
                 self.history.append({"step": self.step, "loss": float(loss.item()), "acc": float(parts["acc"].item())})
                 if eval_every and self.step % eval_every == 0 and self.step < self.total_steps:
                     self.tau_history.append((self.step, self.evaluate()[0]))

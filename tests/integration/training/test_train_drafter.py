@@ -155,3 +155,76 @@ def test_resume_reproduces_an_uninterrupted_run(data: dict[str, Any], kind: str,
     ha = json.loads((tmp_path / "straight" / "training" / "state.json").read_text())["history"]
     hb = json.loads((tmp_path / "resumed" / "training" / "state.json").read_text())["history"]
     assert [h["loss"] for h in ha] == pytest.approx([h["loss"] for h in hb], abs=1e-6)
+
+
+def _published(where: Path) -> dict[str, Any]:
+    loaded = mx.load(str(where / "model.safetensors"))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_resume_continues_a_committed_drafter_with_new_data(data: dict[str, Any], kind: str, tmp_path: Path) -> None:
+    """A later slot: `--resume` on a directory holding only a published drafter (no training state, as
+    shipped) continues that drafter on new data, keeping its shape and draft vocabulary."""
+    import shutil
+
+    old, new = data["train"][:16], data["train"][16:]
+    committed = tmp_path / "committed"
+    plan = _plan(kind, max_steps=12, draft_vocab=96)
+    data["trainer"].train(
+        _target(data["model"]), plan, old, data["held"], out_dir=str(committed), resume=False, card=lambda f: "card\n"
+    )
+    shutil.rmtree(committed / "training")  # what a committed drafter directory holds
+    before = _published(committed)
+    assert "d2t" in before and "lm_head.weight" not in before  # reduced head: rows come from the target
+
+    # With a zero learning rate nothing may move: the run starts from the committed weights exactly.
+    frozen = tmp_path / "frozen"
+    shutil.copytree(committed, frozen)
+    still = data["trainer"].train(
+        _target(data["model"]),
+        _plan(kind, max_steps=3, lr=0.0, layers=2, block_size=9),
+        new,
+        data["held"],
+        out_dir=str(frozen),
+        resume=True,
+        card=lambda f: "card\n",
+    )
+    assert still["continued_from"] == str(frozen)
+    after = _published(frozen)
+    assert after.keys() == before.keys()
+    for name in before:
+        np.testing.assert_array_equal(np.array(before[name]), np.array(after[name]), err_msg=name)
+
+    # A real continuation: its own optimizer, same shape and vocabulary, lower loss than a fresh start.
+    cont = data["trainer"].train(
+        _target(data["model"]),
+        _plan(kind, max_steps=6),
+        new,
+        data["held"],
+        out_dir=str(committed),
+        resume=True,
+        card=lambda f: "card\n",
+    )
+    fresh = _train({**data, "train": new}, _plan(kind, max_steps=6, draft_vocab=96), tmp_path / "fresh")
+    assert cont["first_loss"] < fresh["first_loss"]
+    np.testing.assert_array_equal(np.array(_published(committed)["d2t"]), np.array(before["d2t"]))
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "frozen", again)  # the same committed weights, continued once more
+    twice = data["trainer"].train(
+        _target(data["model"]),
+        _plan(kind, max_steps=6, init_from=str(frozen)),
+        new,
+        data["held"],
+        out_dir=str(again),
+        resume=False,
+        card=lambda f: "card\n",
+    )
+    assert twice["first_loss"] == pytest.approx(cont["first_loss"], abs=1e-6)  # continues exactly, repeatably
+
+    model = data["model"]
+    target = MlxTargetModel(model)
+    source = load_drafter(kind, str(committed), model, target=target, bits=0)
+    for prompt in data["prompts"][:3]:
+        assert _greedy(target, prompt, source) == _greedy(target, prompt, None)

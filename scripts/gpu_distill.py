@@ -1,0 +1,623 @@
+"""One GPU slot of drafter distillation for the default model: diagnostics, data, training, decode bench.
+
+Runs on a bare CUDA host with MLX (no registry, no Hugging Face download): the target comes as an exact
+export of the GGUF's quantized blocks (`export_target`, run on the CPU side), the tokenizer as its
+`tokenizer.json` and chat template. Phases (each writes under --work; `all` runs them in order):
+
+  diag   exactness of the lock-step generator on this device (every row equals single-sequence greedy;
+         the old left-padded loop and its NaN rows for comparison), bf16 vs f32 greedy agreement, and
+         generation throughput at B = 256 / 512 / 1024 (greedy and sampled mixed).
+  data   self-instruct prompts written by the target, then responses (greedy and sampled) to the mixed
+         prompt set (`application/prompt_mix.py`), then multi-turn follow-ups; held-out prompts never enter.
+  train  the drafter variants in parallel processes (`MlxDrafterTrainer`, compiled steps, bf16 features).
+  bench  plain vs DSpark vs DFlash greedy decode tok/s on the held-out prompts (the project's decode loop).
+
+Usage: python gpu_distill.py all --model DIR --work DIR [--gen-seconds S] [--train-seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+T0 = time.monotonic()
+
+
+def log(work: Path, *parts: Any) -> None:
+    line = f"[{time.monotonic() - T0:7.1f}s] " + " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    with open(work / "log.txt", "a") as f:
+        f.write(line + "\n")
+
+
+# target and tokenizer ---------------------------------------------------------------------------------------
+
+
+def export_target(gguf_path: str, out: str) -> None:
+    """CPU side: the GGUF's tensors as exact MLX affine blocks (uint32 + float16 scales/biases), config,
+    tokenizer.json and chat template; the smallest faithful form (~ the GGUF's size)."""
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.hf import gguf
+
+    path = Path(gguf_path)
+    reader = gguf.open_gguf(path)
+    arch = gguf.gguf_architecture(reader, path)
+    meta = gguf._metadata(reader)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    cfg = gguf.model_config(meta, arch, shapes, path)
+    weights, quant = gguf.convert_weights(reader, arch, cfg, path, keep_quantized=True)
+    tok = gguf.build_tokenizer(meta, arch, path)
+    cfg["eos_token_id"] = gguf.eos_token_ids(meta, tok)
+    cfg["quantized_modules"] = quant
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for k, v in weights.items():
+        a = mx.array(v)
+        if k.endswith((".scales", ".biases")):
+            a = a.astype(mx.float16)  # exact: GGUF stores them as float16
+        arrays[k] = a
+    mx.save_safetensors(str(o / "target.safetensors"), arrays)
+    (o / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok.backend_tokenizer.save(str(o / "tokenizer.json"))
+    (o / "chat_template.jinja").write_text(tok.chat_template)
+
+
+def load_target(model_dir: Path, dtype: str) -> Any:
+    """The mlx-lm model with every quantized block dequantized exactly, then cast to `dtype`."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models import llama
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    quant = cfg.pop("quantized_modules")
+    args = llama.ModelArgs.from_dict(cfg)
+    model = llama.Model(args)
+    raw = mx.load(str(model_dir / "target.safetensors"))
+    assert isinstance(raw, dict)
+    want = getattr(mx, dtype)
+    out = {}
+    for module, q in quant.items():
+        w = mx.dequantize(
+            raw.pop(f"{module}.weight"),
+            raw.pop(f"{module}.scales").astype(mx.float32),
+            raw.pop(f"{module}.biases").astype(mx.float32),
+            group_size=q["group_size"],
+            bits=q["bits"],
+        )
+        out[f"{module}.weight"] = w.astype(want)
+    out.update({k: v.astype(want) for k, v in raw.items()})
+    model.update(tree_unflatten(list(out.items())))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+class Chat:
+    """Chat rendering (the model's own Jinja template) and tokenization without transformers."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import jinja2
+        from tokenizers import Tokenizer
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        self.template = env.from_string((model_dir / "chat_template.jinja").read_text())
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.eos = [int(t) for t in json.loads((model_dir / "config.json").read_text())["eos_token_id"]]
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.template.render(messages=messages, add_generation_prompt=True)
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode([t for t in ids if t not in self.eos]))
+
+
+def heldout() -> list[dict[str, str]]:
+    from mlx_dspark.application.training import heldout_prompts
+
+    return heldout_prompts()
+
+
+# diag -------------------------------------------------------------------------------------------------------
+
+
+def single_greedy(model: Any, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    out: list[int] = []
+    for _ in range(n):
+        t = int(mx.argmax(logits, axis=-1).item())
+        out.append(t)
+        if t in eos:
+            break
+        logits = model(mx.array([[t]]), cache=cache)[:, -1]
+    return out
+
+
+def old_left_padded(model: Any, prompts: list[list[int]], n: int, eos: set[int]) -> tuple[list[list[int]], bool]:
+    """The earlier lock-step loop (left padding through mlx-lm's BatchKVCache), and whether its padded
+    prefill left NaN in any cached key."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_dspark.adapters.mlx import model_parts
+
+    width = max(len(p) for p in prompts)
+    pad = [width - len(p) for p in prompts]
+    x = mx.array([[0] * k + list(p) for k, p in zip(pad, prompts, strict=True)])
+    cache = [BatchKVCache(pad) for _ in range(model_parts.num_layers(model))]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    logits = model(x, cache=cache)[:, -1, :]
+    nan = any(bool(mx.isnan(c.keys).any().item()) for c in cache if c.keys is not None)
+    for _ in range(n):
+        tok = mx.argmax(logits, axis=-1)
+        logits = model(tok[:, None], cache=cache)[:, -1, :]
+        for i, v in enumerate(tok.tolist()):
+            if not done[i]:
+                out[i].append(int(v))
+                done[i] = int(v) in eos
+    return out, nan
+
+
+def diag(a: argparse.Namespace, work: Path) -> None:
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.mlx.training.generate import generate_responses
+
+    chat = Chat(Path(a.model))
+    eos = set(chat.eos)
+    held = heldout()
+    n_diag, n_tok = (3, 6) if a.smoke else (16, 48)
+    prompts = [chat.encode([{"role": "user", "content": p["prompt"]}]) for p in held[:n_diag]]
+    report: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__}
+    for dtype in ("float32",) if a.smoke else ("bfloat16", "float32"):
+        model = load_target(Path(a.model), dtype)
+        ref = [single_greedy(model, p, n_tok, eos) for p in prompts]
+        new = generate_responses(
+            model,
+            prompts,
+            eos_ids=sorted(eos),
+            max_new_tokens=n_tok,
+            batch=8,
+            temperatures=[0.0] * len(prompts),
+            seed=0,
+            refill_min=2,
+        )
+        old, nan = old_left_padded(model, prompts[:8], n_tok, eos)
+        report[dtype] = {
+            "lockstep_equal_single": sum(x == y for x, y in zip(new, ref, strict=True)),
+            "old_leftpad_equal_single": sum(x == y for x, y in zip(old, ref[:8], strict=True)),
+            "old_leftpad_nan_keys": nan,
+            "of": len(prompts),
+        }
+        report[f"ref_{dtype}"] = ref
+        log(work, "diag", dtype, report[dtype])
+    agree = []
+    for x, y in zip(report.get("ref_bfloat16", report["ref_float32"]), report["ref_float32"], strict=True):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        agree.append(k)
+    report["bf16_vs_f32_first_divergence"] = agree
+    model = None
+    log(work, "diag bf16 vs f32 greedy: tokens before the first difference", agree)
+    model = load_target(Path(a.model), a.dtype)
+    rng = random.Random(0)
+    pool = [chat.encode([{"role": "user", "content": f"Tell me about topic number {i}."}]) for i in range(64)]
+    for b in (4,) if a.smoke else (256, 512, 1024):
+        ps = [pool[i % len(pool)] for i in range(b * 3)]
+        temps = [0.0 if rng.random() < 0.5 else 0.7 for _ in ps]
+        generate_responses(
+            model, ps[:b], eos_ids=[], max_new_tokens=24, batch=b, temperatures=temps[:b], top_p=0.9, seed=1
+        )  # warm the shapes
+        t = time.perf_counter()
+        out = generate_responses(
+            model,
+            ps,
+            eos_ids=sorted(eos),
+            max_new_tokens=8 if a.smoke else 96,
+            batch=b,
+            temperatures=temps,
+            top_p=0.9,
+            seed=2,
+        )
+        dt = time.perf_counter() - t
+        toks = sum(len(r or []) for r in out)
+        report[f"tok_s_B{b}"] = toks / dt
+        if toks / dt > report.get("best_tok_s", 0):
+            report["best_tok_s"], report["best_batch"] = toks / dt, b
+        log(
+            work, f"diag throughput B={b}: {toks} tokens in {dt:.1f}s = {toks / dt:.0f} tok/s (half sampled, top-p 0.9)"
+        )
+    (work / "diag.json").write_text(json.dumps(report))
+
+
+# data -------------------------------------------------------------------------------------------------------
+
+
+def _save_seqs(path: Path, seqs: list[tuple[list[int], int]], tags: list[str]) -> None:
+    flat = np.concatenate([np.asarray(s, dtype=np.int32) for s, _ in seqs]) if seqs else np.zeros(0, np.int32)
+    lens = np.array([len(s) for s, _ in seqs], dtype=np.int64)
+    np.savez(path, ids=flat, lens=lens, prompt_lens=np.array([p for _, p in seqs], dtype=np.int64), tags=np.array(tags))
+
+
+def load_seqs(path: Path) -> tuple[list[tuple[list[int], int]], list[str]]:
+    z = np.load(path)
+    ends = np.cumsum(z["lens"])
+    starts = ends - z["lens"]
+    ids = z["ids"]
+    seqs = [(ids[s:e].tolist(), int(p)) for s, e, p in zip(starts, ends, z["prompt_lens"], strict=True)]
+    return seqs, [str(t) for t in z["tags"]]
+
+
+def _mixed(samples: int, seed: int, held_texts: list[str], queue: Any) -> None:
+    from mlx_dspark.application import prompt_mix
+    from mlx_dspark.application.training import builtin_conversations
+
+    queue.put(prompt_mix.mixed_conversations(samples, seed, held_texts, builtin=builtin_conversations(40000, seed)))
+
+
+def data(a: argparse.Namespace, work: Path) -> None:
+    from mlx_dspark.adapters.mlx.training.generate import generate_responses
+    from mlx_dspark.application import prompt_mix
+
+    chat = Chat(Path(a.model))
+    held = heldout()
+    held_texts = [p["prompt"] for p in held]
+    keep = prompt_mix.HeldoutFilter(held_texts)
+    if (work / "diag.json").is_file() and not a.smoke:
+        a.gen_batch = int(json.loads((work / "diag.json").read_text()).get("best_batch", a.gen_batch))
+        log(work, f"data: batch {a.gen_batch} (fastest in diag)")
+    # The mixed set is built on another core while the GPU writes the held-out and self-instruct data.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    pending = ctx.SimpleQueue()
+    pool = ctx.Process(target=_mixed, args=(a.samples, a.seed, held_texts, pending))
+    pool.start()
+    model = load_target(Path(a.model), a.dtype)
+    rng = random.Random(a.seed)
+    deadline = time.monotonic() + a.gen_seconds
+    produced = [0]
+
+    def gen(prompts: list[list[int]], temps: list[float], max_new: int, until: float | None) -> list[list[int] | None]:
+        t = time.perf_counter()
+        out = generate_responses(
+            model,
+            prompts,
+            eos_ids=chat.eos,
+            max_new_tokens=max_new,
+            batch=a.gen_batch,
+            temperatures=temps,
+            top_p=[rng.choice([0.8, 0.9, 0.95, 1.0]) for _ in prompts],
+            seed=rng.randrange(1 << 30),
+            deadline=until,
+        )
+        toks = sum(len(r or []) for r in out)
+        produced[0] += toks
+        log(
+            work,
+            f"generated {sum(r is not None for r in out)}/{len(prompts)} responses, {toks} tokens, "
+            f"{toks / (time.perf_counter() - t):.0f} tok/s",
+        )
+        return out
+
+    # Held-out greedy responses: evaluation only (teacher-forced τ), never training.
+    held_ids = [chat.encode([{"role": "user", "content": t}]) for t in held_texts]
+    held_out = gen(held_ids, [0.0] * len(held_ids), a.max_new, None)
+    _save_seqs(
+        work / "heldout.npz",
+        [(p + r, len(p)) for p, r in zip(held_ids, held_out, strict=True) if r],
+        ["heldout"] * len(held_ids),
+    )
+
+    # 1. Self-instruct: the target writes user requests.
+    seeds = prompt_mix.self_instruct_seeds(rng, a.self_instruct)
+    seed_out = gen([chat.encode(c) for c in seeds], [rng.choice([0.8, 0.9, 1.0]) for _ in seeds], 48, None)
+    own: list[list[dict[str, str]]] = []
+    seen: set[str] = set()
+    for r in seed_out:
+        text = chat.decode(r or []).strip().strip('"').strip()
+        if 12 <= len(text) <= 400 and text not in seen and keep.clean(text):
+            seen.add(text)
+            own.append([{"role": "user", "content": text}])
+    log(work, f"self-instruct: {len(own)} distinct prompts kept of {len(seeds)}")
+
+    # 2. The mixed set: built-in templates, generated sources, the target's own prompts.
+    mixed = pending.get()
+    pool.join()
+    convs = [(s, c) for s, c in mixed] + [("self", c) for c in own]
+    rng.shuffle(convs)
+    ids = [chat.encode(c) for _, c in convs]
+    keepi = [i for i, p in enumerate(ids) if len(p) <= a.max_prompt]
+    convs, ids = [convs[i] for i in keepi], [ids[i] for i in keepi]
+    temps = [0.0 if rng.random() < a.greedy_share else rng.choice([0.6, 0.7, 0.8, 1.0]) for _ in ids]
+    follow_at = deadline - a.follow_seconds
+    log(work, f"main set: {len(ids)} prompts; mean prompt {np.mean([len(p) for p in ids]):.0f} tokens")
+    out = gen(ids, temps, a.max_new, follow_at)
+    seqs, tags = [], []
+    for (src, _), p, r, t in zip(convs, ids, out, temps, strict=True):
+        if r and len(r) >= 4:
+            seqs.append((p + r, len(p)))
+            tags.append(f"{src}:{'g' if t == 0 else 's'}")
+
+    # 3. Multi-turn continuations of finished conversations.
+    done = [i for i, r in enumerate(out) if r and len(r) >= 8 and r[-1] in chat.eos]
+    rng.shuffle(done)
+    cont = [prompt_mix.follow_up(convs[i][1], chat.decode(out[i] or []), rng) for i in done[: a.follow_ups]]
+    cids = [chat.encode(c) for c in cont]
+    cids = [p for p in cids if len(p) <= a.max_prompt + a.max_new]
+    ctemps = [0.0 if rng.random() < a.greedy_share else 0.7 for _ in cids]
+    cout = gen(cids, ctemps, a.max_new, deadline)
+    for p, r, t in zip(cids, cout, ctemps, strict=True):
+        if r and len(r) >= 4:
+            seqs.append((p + r, len(p)))
+            tags.append(f"multiturn:{'g' if t == 0 else 's'}")
+    _save_seqs(work / "train.npz", seqs, tags)
+    counts: dict[str, int] = {}
+    for t in tags:
+        counts[t] = counts.get(t, 0) + 1
+    summary = {
+        "sequences": len(seqs),
+        "response_tokens": int(sum(len(s) - p for s, p in seqs)),
+        "generated_tokens": produced[0],
+        "by_source": counts,
+    }
+    (work / "data.json").write_text(json.dumps(summary))
+    log(work, "data", summary)
+
+
+# train ------------------------------------------------------------------------------------------------------
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dspark-l1": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192},
+    "dspark-l2": {"kind": "dspark", "layers": 2, "block_size": 7, "draft_vocab": 8192},
+    "dflash-l1": {"kind": "dflash", "layers": 1, "block_size": 8, "draft_vocab": 8192},
+    "dflash-l2": {"kind": "dflash", "layers": 2, "block_size": 8, "draft_vocab": 8192},
+}
+
+
+def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
+    import attrs
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
+    from mlx_dspark.application.training import TrainPlan, _auto_layers, model_card
+
+    model = load_target(Path(a.model), a.dtype)
+    train, _ = load_seqs(work / "train.npz")
+    held, _ = load_seqs(work / "heldout.npz")
+    v = VARIANTS[name]
+    plan = TrainPlan(
+        kind=v["kind"],
+        layers=v["layers"],
+        block_size=v["block_size"],
+        target_layers=_auto_layers(30),
+        mask_token_id=16,
+        draft_vocab=v["draft_vocab"],
+        markov_rank=32,
+        always_draft=(0, 2),
+        lr=a.lr,
+        epochs=100,
+        batch=a.batch,
+        anchors=a.anchors,
+        time_budget_s=a.train_seconds,
+        seed=a.seed,
+        checkpoint_every=10**9,
+        log_every=100,
+        eval_every=0,
+        save_dtype="bfloat16",
+        compile=True,
+    )
+    t0 = time.perf_counter()
+
+    class _T:
+        handle = model
+
+    def progress(p: Any) -> None:
+        log(work, name, {k: (round(x, 4) if isinstance(x, float) else x) for k, x in p.items()})
+
+    note = (
+        f"{a.samples}+ mixed prompts (built-in templates, math, code, tool-use, agent system prompts, "
+        f"self-instruct, multi-turn), responses by the target in bf16 on one H200"
+    )
+    try:
+        facts = MlxDrafterTrainer(lambda _n: _T()).train(
+            _T(),
+            plan,
+            train,
+            held,
+            out_dir=str(work / name),
+            resume=False,
+            card=lambda f: model_card("default", note, f, None),
+            progress=progress,
+        )
+    except Exception as exc:  # a compile failure must not cost the slot: the same run, uncompiled
+        import traceback
+
+        log(work, name, "compiled run failed, retrying uncompiled:", repr(exc), traceback.format_exc()[-1500:])
+        left = max(60.0, a.train_seconds - (time.perf_counter() - t0))
+        plan = attrs.evolve(plan, compile=False, time_budget_s=left)
+        facts = MlxDrafterTrainer(lambda _n: _T()).train(
+            _T(),
+            plan,
+            train,
+            held,
+            out_dir=str(work / name),
+            resume=False,
+            card=lambda f: model_card("default", note, f, None),
+            progress=progress,
+        )
+    facts = {k: x for k, x in facts.items() if k != "config"}
+    facts["wall_s"] = time.perf_counter() - t0
+    facts["block_tokens_per_s"] = facts["block_tokens"] / max(1e-9, facts.get("train_seconds") or 1)
+    facts["device"] = str(mx.default_device())
+    (work / name / "facts.json").write_text(json.dumps(facts, default=str))
+    log(work, name, "done", json.dumps(facts, default=str)[:600])
+
+
+def train(a: argparse.Namespace, work: Path) -> None:
+    procs = []
+    for name in a.variants.split(","):
+        cmd = [sys.executable, __file__, "train-one", "--variant", name, *sys.argv[2:]]
+        out = (work / f"{name}.log").open("w")
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait()
+    log(work, "train: exit codes", [p.returncode for p in procs])
+
+
+# bench ------------------------------------------------------------------------------------------------------
+
+
+def bench(a: argparse.Namespace, work: Path) -> None:
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.mlx.drafters import load_drafter
+    from mlx_dspark.adapters.mlx.target import MlxTargetModel
+    from mlx_dspark.application.decode_loop import decode
+    from mlx_dspark.domain.costmodel.draft_cap import FixedCap
+    from mlx_dspark.domain.events import RoundFinished, TokensCommitted
+    from mlx_dspark.domain.tokens import SamplingParams, StopRule
+
+    class Clock:
+        def now(self) -> float:
+            return time.perf_counter()
+
+    chat = Chat(Path(a.model))
+    model = load_target(Path(a.model), a.dtype)
+    target = MlxTargetModel(model)
+    sources: dict[str, Any] = {"plain": None}
+    for name in a.bench_drafters.split(","):
+        if (work / name / "config.json").is_file():
+            kind = name.split("-")[0]
+            sources[name] = load_drafter(kind, str(work / name), model, target=target, bits=0)
+    rows: dict[str, list[dict[str, float]]] = {k: [] for k in sources}
+    held = heldout()
+    t_bench = time.perf_counter()
+    for rep in range(2):  # the first pass (a few prompts) warms every shape
+        for p in held[:2] if a.smoke or rep == 0 else held:
+            if rep == 1 and time.perf_counter() - t_bench > a.bench_seconds:
+                break
+            ids = chat.encode([{"role": "user", "content": p["prompt"]}])
+            for name, src in sources.items():
+                target.reset(0)
+                if src is not None:
+                    src.begin(ids)
+                toks, rounds = [], 0
+                t = time.perf_counter()
+                first = None
+                for ev in decode(
+                    target,
+                    ids,
+                    SamplingParams(temperature=0.0),
+                    StopRule(max_tokens=8 if a.smoke else 128, eos_ids=frozenset(chat.eos)),
+                    Clock(),
+                    source=src,
+                    cap_policy=None if src is None else FixedCap(7),
+                ):
+                    if isinstance(ev, TokensCommitted):
+                        if first is None:
+                            first = time.perf_counter()
+                        toks.extend(ev.tokens)
+                    if isinstance(ev, RoundFinished):
+                        rounds += 1
+                mx.synchronize()
+                dt = time.perf_counter() - (first or t)
+                if rep == 1:
+                    rows[name].append(
+                        {
+                            "id": p["id"],
+                            "tokens": len(toks),
+                            "decode_tok_s": (len(toks) - 1) / max(dt, 1e-9),
+                            "rounds": rounds,
+                            "ids": toks,
+                        }
+                    )
+    plain = {r["id"]: r for r in rows["plain"]}
+    summary = {}
+    for name, rs in rows.items():
+        summary[name] = {
+            "median_decode_tok_s": float(np.median([r["decode_tok_s"] for r in rs])),
+            "identical_to_plain": sum(r["ids"] == plain[r["id"]]["ids"] for r in rs),
+            "mean_accepted_per_round": float(np.mean([(r["tokens"] - 1) / max(1, r["rounds"]) for r in rs])),
+            "prompts": len(rs),
+        }
+    (work / "bench.json").write_text(json.dumps(summary))
+    log(work, "bench", summary)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("phase", choices=("diag", "data", "train", "train-one", "bench", "all", "export"))
+    p.add_argument("--model", required=True)
+    p.add_argument("--work", default="work")
+    p.add_argument("--gguf")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=130000)
+    p.add_argument("--self-instruct", type=int, default=20000)
+    p.add_argument("--follow-ups", type=int, default=25000)
+    p.add_argument("--gen-seconds", type=float, default=420)
+    p.add_argument("--follow-seconds", type=float, default=90)
+    p.add_argument("--gen-batch", type=int, default=512)
+    p.add_argument("--max-new", type=int, default=160)
+    p.add_argument("--max-prompt", type=int, default=640)
+    p.add_argument("--greedy-share", type=float, default=0.6)
+    p.add_argument("--train-seconds", type=float, default=420)
+    p.add_argument("--variants", default="dspark-l1,dspark-l2,dflash-l1,dflash-l2")
+    p.add_argument("--variant")
+    p.add_argument("--bench-drafters", default="dspark-l1,dspark-l2,dflash-l1,dflash-l2")
+    p.add_argument("--bench-seconds", type=float, default=150)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--anchors", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dtype", default="bfloat16", help="target compute dtype for data, training and bench")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU run of every phase")
+    a = p.parse_args()
+    if a.smoke:
+        from mlx_dspark.application import bootstrap
+
+        bootstrap.prepare_runtime()  # the optimized CPU BLAS, as every CPU entrypoint does
+    if a.phase == "export":
+        export_target(a.gguf, a.model)
+        return
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if a.phase == "train-one":
+        train_one(a, work, a.variant)
+        return
+    phases = ["diag", "data", "train", "bench"] if a.phase == "all" else [a.phase]
+    for ph in phases:
+        log(work, "phase", ph)
+        try:
+            {"diag": diag, "data": data, "train": train, "bench": bench}[ph](a, work)
+            import gc
+
+            import mlx.core as mx
+
+            gc.collect()
+            mx.clear_cache()
+        except Exception as exc:  # keep going: a failed diagnostic must not cost the slot
+            import traceback
+
+            log(work, "phase", ph, "FAILED", repr(exc), traceback.format_exc()[-3000:])
+            if ph in ("data",):
+                raise
+
+
+if __name__ == "__main__":
+    main()
