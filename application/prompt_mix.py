@@ -16,6 +16,7 @@ import json
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 Messages = list[dict[str, str]]
 
@@ -187,7 +188,7 @@ def _code(rng: random.Random) -> str:
 
 # tools and agents -----------------------------------------------------------------------------------------
 
-_TOOLS = [
+_TOOLS: list[dict[str, Any]] = [
     {
         "name": "get_weather",
         "description": "Current weather for a city",
@@ -258,7 +259,7 @@ def _tool_conversation(rng: random.Random) -> Messages:
             {"result": round(rng.uniform(50, 1000), 2)},
         ),
     }
-    user, args, result = asks[tool["name"]]
+    user, args, result = asks[str(tool["name"])]
     conv: Messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     if rng.random() < 0.6:
         call = json.dumps({"name": tool["name"], "arguments": args})

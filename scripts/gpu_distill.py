@@ -354,18 +354,25 @@ def data(a: argparse.Namespace, work: Path) -> None:
             seqs.append((p + r, len(p)))
             tags.append(f"{src}:{'g' if t == 0 else 's'}")
 
+    _save_seqs(work / "train.npz", seqs, tags)  # saved now: the follow-ups below only add to it
+
     # 3. Multi-turn continuations of finished conversations.
-    done = [i for i, r in enumerate(out) if r and len(r) >= 8 and r[-1] in chat.eos]
-    rng.shuffle(done)
-    cont = [prompt_mix.follow_up(convs[i][1], chat.decode(out[i] or []), rng) for i in done[: a.follow_ups]]
-    cids = [chat.encode(c) for c in cont]
-    cids = [p for p in cids if len(p) <= a.max_prompt + a.max_new]
-    ctemps = [0.0 if rng.random() < a.greedy_share else 0.7 for _ in cids]
-    cout = gen(cids, ctemps, a.max_new, deadline)
-    for p, r, t in zip(cids, cout, ctemps, strict=True):
-        if r and len(r) >= 4:
-            seqs.append((p + r, len(p)))
-            tags.append(f"multiturn:{'g' if t == 0 else 's'}")
+    try:
+        done = [i for i, r in enumerate(out) if r and len(r) >= 8 and r[-1] in chat.eos]
+        rng.shuffle(done)
+        cont = [prompt_mix.follow_up(convs[i][1], chat.decode(out[i] or []), rng) for i in done[: a.follow_ups]]
+        cids = [chat.encode(c) for c in cont]
+        cids = [p for p in cids if len(p) <= a.max_prompt + a.max_new]
+        ctemps = [0.0 if rng.random() < a.greedy_share else 0.7 for _ in cids]
+        cout = gen(cids, ctemps, a.max_new, deadline)
+        for p, r, t in zip(cids, cout, ctemps, strict=True):
+            if r and len(r) >= 4:
+                seqs.append((p + r, len(p)))
+                tags.append(f"multiturn:{'g' if t == 0 else 's'}")
+    except Exception as exc:
+        import traceback
+
+        log(work, "follow-ups FAILED (the main set stands):", repr(exc), traceback.format_exc()[-1500:])
     _save_seqs(work / "train.npz", seqs, tags)
     counts: dict[str, int] = {}
     for t in tags:
