@@ -7,14 +7,20 @@ vectorised sampler picks the next token of every row (per-row temperature and to
 
 Rows never share positions: each row keeps its own position counter (RoPE offset) and writes its key/value
 at that index of its own cache row; the mask lets a row see only indices up to its own position. New
-prompts are prefilled right-padded from index 0, so no query ever sees a padding key (a fully masked
-left-padded query row is where a fused attention kernel can produce NaN, and NaN in padded keys then leaks
-into every later query through 0·NaN). That, and a greedy loop that kept decoding rows past EOS into the
-same cache, is what an earlier left-padded lock-step loop got wrong; `tests/integration/training/
-test_generate.py` pins exactness against single-sequence greedy decoding, with poisoned padding.
+prompts are prefilled right-padded from index 0, so no query row is ever fully masked and no row attends to
+a padding or stale key (`tests/integration/training/test_generate.py` poisons every unwritten slot and pins
+exactness against single-sequence greedy decoding, EOS and refills included).
 
-mlx-lm's `BatchGenerator` with per-sequence samplers ran at ~200-870 tok/s on an H200; this loop is bound
-by the target's forward.
+Why drafters trained on an earlier left-padded lock-step loop's CUDA output did not transfer was checked on
+an H200 (MLX 0.32.4): that loop was exact in float32 there too (8/8 rows equal single-sequence greedy, no NaN
+in padded keys), so padding was not it; the cause was not reproduced. The measured suspect is precision: in
+bfloat16, batched rows match single-sequence greedy less often (this loop 11/16, the old one 5/8), and bf16
+greedy decoding of SmolLM2-135M leaves float32 greedy within 48 tokens on 8 of 16 held-out prompts, so bf16
+data is partly another model's. Generate in float32 where the drafter will serve a float32 target.
+
+mlx-lm's `BatchGenerator` with per-sequence samplers ran at ~200-870 tok/s on an H200; this loop ran at
+16.8k / 24.4k / 30.6k tok/s at B = 256 / 512 / 1024 (bf16, half the rows sampled with top-p) and 16.4k over
+long mixed prompts, where refill prefills and the per-step host loop over rows cost most.
 """
 
 from __future__ import annotations
