@@ -9,7 +9,7 @@ resume from them with output equal to a cold run.
 from __future__ import annotations
 
 from mlx_dspark.adapters.families import select_codec
-from mlx_dspark.application.chat_service import ChatService
+from mlx_dspark.application.chat_service import ChatService, Report
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.prefix_cache import PrefixCache
@@ -143,7 +143,8 @@ def run_turns(warm: bool):
         items = list(chat.stream(gen, request(messages)))
         done = items[-1]
         assert isinstance(done, TurnFinished)
-        events.append([*items[1:-1], done.reason])
+        # Reports carry timings and cached counts, which differ by design; everything else must not.
+        events.append([*(i for i in items[1:-1] if not isinstance(i, Report)), done.reason])
         cached.append(done.usage.cached_prompt_tokens)
     return events, cached
 
