@@ -392,8 +392,6 @@ class MlxTargetModel:
         self._features_read = 0
         return keep
 
-    def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
-        """Run [anchor, drafts...] in one forward and decide acceptance on device (one host sync)."""
     def verify(
         self,
         anchor: int,
