@@ -133,12 +133,16 @@ def run_bench(
         runner = runners[mode]
         first = prompts.prompts[0]
         runner.model.target.reset(0)
-        runner.generate(GenerationRequest(prompt=first.prompt, max_tokens=warmup_tokens, sampling=sampling))
+        runner.generate(
+            GenerationRequest(prompt=first.prompt, max_tokens=warmup_tokens, sampling=sampling, prefix_cache=False)
+        )
         for trial in range(trials):
             for p in prompts.prompts:
                 # A cold prompt on a warm model: the same work for every mode and trial.
                 runner.model.target.reset(0)
-                r = runner.generate(GenerationRequest(prompt=p.prompt, max_tokens=max_tokens, sampling=sampling))
+                r = runner.generate(
+                    GenerationRequest(prompt=p.prompt, max_tokens=max_tokens, sampling=sampling, prefix_cache=False)
+                )
                 runs.append(
                     BenchRun(
                         mode=mode,

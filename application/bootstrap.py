@@ -14,7 +14,8 @@ import attrs
 
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
-from mlx_dspark.application.ports import CalibrationStore, DrafterTrainer, ModelLoader, TrainingTarget
+from mlx_dspark.application.ports import CalibrationStore, DrafterTrainer, ModelLoader, PrefixStore, TrainingTarget
+from mlx_dspark.application.prefix_cache import PrefixCaches
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import TelemetrySink
@@ -23,6 +24,28 @@ __all__ = ["Services", "build", "build_trainer", "install_default_models", "prep
 
 if TYPE_CHECKING:
     from mlx_dspark.application.dashboard.service import Dashboard
+
+
+def _default_prefix_caches(settings: Settings) -> PrefixCaches:
+    """Prefix caches sized from free memory (unless set), spilling to safetensors files when a dir is set."""
+    import structlog
+
+    log = structlog.get_logger("mlx_dspark.prefix_cache")
+
+    def default_budget() -> int:
+        from mlx_dspark.adapters.mlx.device import default_prefix_cache_bytes
+
+        return default_prefix_cache_bytes()
+
+    def store(identity: str) -> PrefixStore | None:
+        root = settings.cache.prefix_cache_dir
+        if not root:
+            return None
+        from mlx_dspark.adapters.mlx.prefix_store import SafetensorsPrefixStore
+
+        return SafetensorsPrefixStore(root, identity, warn=log.warning)
+
+    return PrefixCaches(settings.cache, default_budget=default_budget, store_factory=store, warn=log.warning)
 
 
 def _default_families() -> FamilySelector:
@@ -116,6 +139,7 @@ def build(settings: Settings, **overrides: Any) -> Services:
         loader=given.get("loader") or _default_loader(settings),
         calibration=given.get("calibration") or _default_calibration(settings),
         families=given.get("families") or _default_families(),
+        prefix_caches=given.get("prefix_caches") or _default_prefix_caches(settings),
     )
 
 

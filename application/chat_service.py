@@ -21,19 +21,26 @@ from mlx_dspark.application.generation import (
 )
 from mlx_dspark.application.ports import LoadedModel, Tokenizer
 from mlx_dspark.application.settings import ServerSettings
+from mlx_dspark.domain.cache import common_prefix
 from mlx_dspark.domain.chat import (
     ChatEvent,
     ChatRequest,
     ChatUsage,
     Conversation,
+    Message,
     OutputTooLong,
     PromptTooLong,
+    Role,
     ToolChoiceMode,
     ToolSpec,
     TurnFinished,
 )
 from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import FinishReason
+
+BOUNDARY_TURNS = 2  # user/tool turn ends measured per request (older ones were snapshotted by earlier turns)
+_PROBE = "Ok."  # the stand-in for whatever message follows in a later turn
 
 
 class RenderedPrompt(Protocol):
@@ -135,9 +142,22 @@ class ChatService:
             self._codecs[model.identity] = self._families(model.family, model.tokenizer.chat_template)
         return self._codecs[model.identity]
 
+    def prompt_ids(self, model: LoadedModel, request: ChatRequest) -> list[int]:
+        """The turn's prompt token ids, rendered through the family codec and the chat template."""
+        return self._render(model, request).ids
+
     def count_tokens(self, generator: GenerationService, request: ChatRequest) -> int:
         """Prompt tokens of the request through the real chat template and tokenizer."""
         return len(self._render(generator.model, request).ids)
+
+    def prepare(self, model: LoadedModel, request: ChatRequest) -> Prepared:
+        """Check that the turn fits without running it (off the engine thread, while the job is queued).
+
+        Raises:
+            PromptTooLong, OutputTooLong, InvalidRequest: as `stream` would.
+        """
+        turn = self._prepare(model, request)
+        return Prepared(prompt_tokens=len(turn.rendered.ids), max_tokens=turn.max_tokens)
 
     def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
         """Yield Prepared, then text / reasoning / tool-call events, then a Report and one TurnFinished.
@@ -160,6 +180,7 @@ class ChatService:
             sampling=request.sampling,
             stop=request.stop + internal_stop,
             request_id=request.request_id or GenerationRequest(prompt="").request_id,
+            boundaries=self.stable_boundaries(generator, request, r.ids),
         )
         done: GenerationDone | None = None
         with contextlib.closing(generator.stream(greq, prompt_ids=r.ids)) as events:
@@ -195,6 +216,51 @@ class ChatService:
             usage=usage,
             stop_sequence=result.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None,
         )
+
+    def stable_boundaries(
+        self, generator: GenerationService, request: ChatRequest, ids: Sequence[int]
+    ) -> tuple[int, ...]:
+        """Prompt lengths a later turn's prompt will still start with: snapshot points for targets that
+        cannot cut their cache back (recurrent, wrapped sliding window); () for the others.
+
+        Measured on the family's own template: the history up to the end of the system prompt and of
+        the latest user (or tool) turns is rendered as a later turn would render it — followed by the
+        next message instead of the generation prompt, with thinking stripped wherever the template
+        strips it — and each point is where those tokens stop agreeing with this prompt.
+        """
+        cache = generator.prefix_cache
+        if cache is None or not cache.enabled or generator.model.target.rollback_kind is not RollbackKind.SNAPSHOT:
+            return ()
+        model = generator.model
+        conv = request.conversation
+        messages = conv.messages
+        inputs = (Role.USER, Role.TOOL)
+        ends = [
+            j
+            for j in range(1, len(messages) + 1)
+            if messages[j - 1].role in inputs and (j == len(messages) or messages[j].role not in inputs)
+        ]
+        cuts = ([0] if conv.system or conv.tools else []) + ends[-BOUNDARY_TURNS:]
+        codec = self.codec(model)
+        tools, _, _, _ = _tool_plan(request)
+        points: list[int] = []
+        user, assistant = Message(role=Role.USER, text=_PROBE), Message(role=Role.ASSISTANT, text=_PROBE)
+        for j in cuts:
+            # What may follow: the next user turn, or the model's reply — with or without a user turn after
+            # it (templates that strip old thinking do so once a later user turn exists).
+            followers = [(user,)] if j == 0 else [(assistant,), (assistant, user)]
+            agreed: list[int] = []
+            for follow in followers:
+                probe = attrs.evolve(conv, messages=(*messages[:j], *follow))
+                try:
+                    text = codec.render(model.tokenizer, probe, thinking=request.thinking, offer_tools=bool(tools)).text
+                except Exception:  # a template that refuses the probe gives no point here
+                    agreed = []
+                    break
+                agreed.append(common_prefix(ids, model.tokenizer.encode(text, add_special_tokens=False)))
+            if agreed:
+                points.append(min(agreed))
+        return tuple(sorted(set(p for p in points if p > 0)))
 
     def _render(self, model: LoadedModel, request: ChatRequest) -> _Rendered:
         codec = self.codec(model)

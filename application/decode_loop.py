@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Generator, Sequence
 
+from mlx_dspark.application.prefill import prefill
 from mlx_dspark.domain.budget import plan_commit, round_cap
 from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap
@@ -34,6 +35,8 @@ def decode(
     reuse_prefix: int = 0,
     context_window: int | None = None,
     halt: Callable[[], bool] | None = None,
+    snapshots: Sequence[int] = (),
+    on_snapshot: Callable[[], object] | None = None,
 ) -> Generator[DecodeEvent, None, None]:
     """Generate from `prompt`, yielding events; closing the iterator cancels the request.
 
@@ -49,9 +52,12 @@ def decode(
         context_window: the target's context length, enforced before every round.
         halt: asked after each commit's events; True ends the request as STOP_SEQUENCE (the caller saw a
             stop string), with this round's real accounting in Finished.
+        snapshots: prompt lengths at which `on_snapshot` saves the target's state during prefill.
+        on_snapshot: called when the cache holds exactly a snapshot point's rows.
 
     Yields:
-        TokensCommitted, RoundFinished and CapChanged events, then exactly one Finished.
+        PrefillProgress (long prompts), TokensCommitted, RoundFinished and CapChanged events, then
+        exactly one Finished.
     """
     if not prompt:
         raise InvalidRequest(message="the prompt is empty", param="prompt")
@@ -71,7 +77,9 @@ def decode(
     reuse = target.reset(keep=max(0, min(reuse_prefix, len(prompt) - 1)), capture=wants_features)
 
     start = clock.now()
-    first = target.prefill(prompt[reuse:], sampling, rng.random())
+    first = yield from prefill(
+        target, prompt, reuse, sampling, rng.random(), snapshots=snapshots, on_snapshot=on_snapshot
+    )
     prefill_s = clock.now() - start
     history = list(prompt)
     stats = AcceptanceStats()

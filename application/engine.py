@@ -235,6 +235,7 @@ class EngineThread:
             while True:
                 job = self._jobs.get()
                 if job is None:
+                    self._flush_prefix_cache(self._generator)
                     return
                 if job is not _WAKE:
                     self._taken()
@@ -279,6 +280,20 @@ class EngineThread:
             if close is not None:
                 close()
         job._push(_END, None)
+
+    @staticmethod
+    def _flush_prefix_cache(generator: GenerationService) -> None:
+        """At shutdown, spill the prefix cache's in-memory entries to disk (when a directory is set)."""
+        cache = generator.prefix_cache
+        if cache is None:
+            return
+        try:
+            written = cache.flush()
+        except Exception as exc:  # a full disk must not turn a clean shutdown into a crash
+            _log.warning("prefix_cache.flush_failed", error=str(exc))
+            return
+        if written:
+            _log.info("prefix_cache.flushed", entries=written)
 
     def _drain(self) -> None:
         """Answer every queued job once the thread is ending, so no caller waits forever."""

@@ -17,6 +17,8 @@ import attrs
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.detokenizer import IncrementalDetokenizer
 from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.prefix_cache import PrefixCache
+from mlx_dspark.domain.cache import common_prefix
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
@@ -41,6 +43,9 @@ class GenerationRequest:
         tools: tool specs handed to the chat template.
         template_kwargs: extra chat-template variables (e.g. enable_thinking).
         request_id: for logs and telemetry.
+        boundaries: prompt lengths where a later turn's prompt will still agree (ends of the system
+            prompt and of user turns, measured on the template); snapshot candidates.
+        prefix_cache: reuse and remember cached prefixes (False: a cold start, e.g. for the bench).
     """
 
     prompt: Prompt
@@ -51,6 +56,8 @@ class GenerationRequest:
     tools: tuple[Mapping[str, Any], ...] | None = None
     template_kwargs: Mapping[str, Any] | None = None
     request_id: str = attrs.Factory(lambda: uuid.uuid4().hex[:12])
+    boundaries: tuple[int, ...] = ()
+    prefix_cache: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +114,7 @@ class GenerationService:
         source: the fixed mode's draft source, or None for plain decoding.
         mode: the fixed mode's name, reported in results.
         cap_policy_factory: the fixed mode's fresh cap policy per request (None = the source's full block).
+        prefix_cache: cached prefixes of this model (None = reuse only what the target still holds).
     """
 
     def __init__(
@@ -119,11 +127,13 @@ class GenerationService:
         source: DraftSource | None = None,
         mode: str = PLAIN,
         cap_policy_factory: Callable[[], CapPolicy] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
         self.selector: SourceSelector = selector or FixedSelector(mode, source, cap_policy_factory)
         self._clock = clock
         self._telemetry = telemetry
+        self.prefix_cache = prefix_cache
 
     @property
     def mode(self) -> str:
@@ -155,11 +165,18 @@ class GenerationService:
         if not ids:
             raise InvalidRequest(message="the prompt encodes to no tokens", param="prompt")
         stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
-        # Ask the target what it holds: other users of the same target (bench, calibration) move it too.
-        reuse = _common_prefix(self.model.target.cached_ids, ids)
         selection = self.selector.select(ids)
         if selection.switched is not None:
             self._telemetry.emit(request.request_id, selection.switched)
+        target = self.model.target
+        cache = self.prefix_cache if request.prefix_cache else None
+        points: tuple[int, ...] = ()
+        if cache is not None:
+            reuse = cache.prepare(target, ids).rows
+            points = cache.snapshot_points(target, request.boundaries, start=reuse, end=len(ids))
+        else:
+            # Ask the target what it holds: other users of the same target (bench, calibration) move it too.
+            reuse = common_prefix(target.cached_ids, ids) if request.prefix_cache else 0
         detok = IncrementalDetokenizer(self.model.tokenizer)
         matcher = StopStringMatcher(request.stop)
         start = self._clock.now()
@@ -169,6 +186,7 @@ class GenerationService:
         caps: Counter[int] = Counter()
         matched: str | None = None
         finished: Finished | None = None
+        failed = False
         events = decode(
             self.model.target,
             ids,
@@ -180,6 +198,8 @@ class GenerationService:
             reuse_prefix=reuse,
             context_window=self.model.context_window,
             halt=lambda: matched is not None,
+            snapshots=points,
+            on_snapshot=None if cache is None else lambda: cache.remember(target),
         )
         try:
             for event in events:
@@ -210,8 +230,14 @@ class GenerationService:
                         yield TextChunk(text=text, token_ids=tuple(kept))
                 elif isinstance(event, RoundFinished):
                     caps[event.cap] += 1
+        except Exception:
+            failed = True
+            raise
         finally:
             events.close()
+            # A cancelled request (GeneratorExit) is remembered too: its rows are consistent between rounds.
+            if cache is not None and not failed:
+                cache.remember(target)
         if finished is None:  # pragma: no cover - the decode loop always ends with Finished
             raise AssertionError("the decode loop ended without Finished")
         if matched is None:
@@ -264,15 +290,6 @@ class GenerationService:
             if isinstance(event, GenerationDone):
                 return event.result
         raise AssertionError("the stream ended without a result")
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class MonotonicClock:

@@ -105,7 +105,11 @@ def build_generator(
         )
         say(f"auto mode runs {choice.mode}" + (" (measured earlier)" if choice.from_cache else ""))
         return GenerationService(
-            model, selector=choice.selector, clock=services.clock, telemetry=services.telemetry
+            model,
+            selector=choice.selector,
+            clock=services.clock,
+            telemetry=services.telemetry,
+            prefix_cache=services.prefix_caches(model),
         )
     source = load_source(services, settings, model, mode)
     if source is not None and cap == 0:
@@ -120,6 +124,7 @@ def build_generator(
         clock=services.clock,
         telemetry=services.telemetry,
         cap_policy_factory=factory,
+        prefix_cache=services.prefix_caches(model),
     )
 
 

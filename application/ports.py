@@ -10,11 +10,21 @@ from typing import Any, Protocol
 
 import attrs
 
+from mlx_dspark.domain.cache import StoredPrefix
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.model import LoadedModel, Tokenizer
-from mlx_dspark.domain.ports import DraftSource
+from mlx_dspark.domain.ports import CacheState, DraftSource
 
-__all__ = ["CalibrationStore", "DrafterTrainer", "LoadedModel", "ModelLoader", "Tokenizer", "TrainingTarget"]
+__all__ = [
+    "CalibrationStore",
+    "DrafterTrainer",
+    "LoadedModel",
+    "ModelLoader",
+    "PrefixStore",
+    "StoredPrefix",
+    "Tokenizer",
+    "TrainingTarget",
+]
 
 
 class ModelLoader(Protocol):
@@ -50,6 +60,28 @@ class CalibrationStore(Protocol):
     def load(self, key: CalibrationKey) -> Calibration | None: ...
 
     def save(self, key: CalibrationKey, calibration: Calibration) -> None: ...
+
+
+class PrefixStore(Protocol):
+    """Spilled prefix-cache entries of one model, kept across restarts; written atomically.
+
+    A file that is unreadable, corrupt, of another model or of another format is skipped with a warning,
+    never loaded.
+    """
+
+    def scan(self) -> Sequence[StoredPrefix]:
+        """The valid entries on disk, least recently written first."""
+        ...
+
+    def save(self, state: CacheState, *, tag: str, tokens: tuple[int, ...]) -> StoredPrefix:
+        """Write `state` (raises OSError when the disk refuses)."""
+        ...
+
+    def load(self, stored: StoredPrefix) -> CacheState | None:
+        """The state, or None (with a warning) when the file is gone, corrupt or does not match."""
+        ...
+
+    def delete(self, stored: StoredPrefix) -> None: ...
 
 
 @attrs.frozen(kw_only=True)

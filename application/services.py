@@ -9,6 +9,7 @@ import attrs
 
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.ports import CalibrationStore, ModelLoader
+from mlx_dspark.application.prefix_cache import PrefixCaches
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import Clock, TelemetrySink
 
@@ -23,3 +24,4 @@ class Services:
     loader: ModelLoader
     calibration: CalibrationStore
     families: FamilySelector
+    prefix_caches: PrefixCaches

@@ -71,6 +71,45 @@ class ServerSettings:
     max_queue: int = attrs.field(default=16, validator=_positive)
 
 
+def parse_bytes(value: str | int | None) -> int | None:
+    """A size: bytes, 512M / 2G / 1.5GiB, or auto / None (the caller's default).
+
+    Raises:
+        ValueError: not a size, or negative.
+    """
+    if value is None or isinstance(value, int):
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"a size cannot be negative: {value}")
+        return value
+    text = value.strip().lower().removesuffix("ib").removesuffix("b")
+    if text in ("", "auto"):
+        return None
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        n = float(number)
+    except ValueError as exc:
+        raise ValueError(f"not a size: {value!r} (use bytes, 512M, 2G or auto)") from exc
+    if n < 0:
+        raise ValueError(f"a size cannot be negative: {value!r}")
+    return int(n * scale)
+
+
+def _check_size(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    try:
+        parse_bytes(value)
+    except ValueError as exc:
+        raise InvalidRequest(message=f"{attribute.name}: {exc}", param=attribute.name) from exc
+
+
+@attrs.frozen(kw_only=True)
+class CacheSettings:
+    """The prefix cache: on in every mode; `0` bytes keeps only the target's live cache."""
+
+    prefix_cache_bytes: str = attrs.field(default="auto", validator=_check_size)  # auto = 1/4 of free memory
+    prefix_cache_dir: str | None = None  # spill cold entries here and reload them after a restart
+
+
 @attrs.frozen(kw_only=True)
 class TelemetrySettings:
     log_level: str = "info"
@@ -82,6 +121,7 @@ class Settings:
     model: ModelSettings = ModelSettings()
     decode: DecodeSettings = DecodeSettings()
     server: ServerSettings = ServerSettings()
+    cache: CacheSettings = CacheSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
 
 
@@ -94,7 +134,13 @@ _converter.register_structure_hook_func(
     lambda v, _: tuple(x for x in v.split(",") if x) if isinstance(v, str) else tuple(str(x) for x in v),
 )
 
-_SECTIONS = {"model": ModelSettings, "decode": DecodeSettings, "server": ServerSettings, "telemetry": TelemetrySettings}
+_SECTIONS = {
+    "model": ModelSettings,
+    "decode": DecodeSettings,
+    "server": ServerSettings,
+    "cache": CacheSettings,
+    "telemetry": TelemetrySettings,
+}
 
 
 def field_sections() -> dict[str, str]:

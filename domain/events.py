@@ -15,6 +15,21 @@ class TokensCommitted:
 
 
 @attrs.frozen(kw_only=True)
+class PrefillProgress:
+    """Prompt rows in the target's cache so far, during a long prefill.
+
+    Attributes:
+        done: prompt tokens whose rows are cached (reused ones included).
+        total: prompt tokens.
+        reused: rows served by the prefix cache before the prefill began.
+    """
+
+    done: int
+    total: int
+    reused: int
+
+
+@attrs.frozen(kw_only=True)
 class RoundFinished:
     """One draft → verify → accept round."""
 
@@ -79,4 +94,4 @@ class Finished:
     stop_sequence: str | None = None
 
 
-DecodeEvent = TokensCommitted | RoundFinished | CapChanged | SourceSwitched | Finished
+DecodeEvent = TokensCommitted | PrefillProgress | RoundFinished | CapChanged | SourceSwitched | Finished

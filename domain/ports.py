@@ -19,6 +19,25 @@ class RollbackKind(enum.Enum):
     SNAPSHOT = "snapshot"  # recurrent or wrapped sliding-window state: restore and recompute
 
 
+class CacheState(Protocol):
+    """A saved copy of a target's cached rows (KV, recurrent state, captured features); opaque handle."""
+
+    @property
+    def length(self) -> int:
+        """Rows it holds."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Memory it keeps alive."""
+        ...
+
+    @property
+    def min_length(self) -> int:
+        """The shortest prefix it can be cut back to exactly (0 for plain KV, `length` for recurrent state)."""
+        ...
+
+
 class TargetModel(Protocol):
     """The model whose distribution is the ground truth.
 
@@ -58,6 +77,23 @@ class TargetModel(Protocol):
 
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
         """Append `tokens` to the cache (all rows kept) and return the first sampled or argmax token."""
+        ...
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append `tokens` to the cache without choosing a next token (a prefill up to a snapshot point)."""
+        ...
+
+    @property
+    def state_tag(self) -> str:
+        """Saved states load only into a target with the same tag (it covers the capture layers)."""
+        ...
+
+    def save_state(self) -> CacheState:
+        """The cached rows as a state that later forwards never change (cheap: shares buffers)."""
+        ...
+
+    def load_state(self, state: CacheState, keep: int) -> int:
+        """Replace the cache by `state` cut to `keep` rows; returns the rows kept (0 when it cannot be exact)."""
         ...
 
     def verify(

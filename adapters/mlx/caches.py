@@ -46,16 +46,16 @@ def cuts_by_offset(cache: Any) -> bool:
     return isinstance(cache, _OFFSET_CUT) and not isinstance(cache, RotatingKVCache)
 
 
-def _fresh_handles(value: Any) -> Any:
+def fresh_handles(value: Any) -> Any:
     # New array handles: later in-place slice updates on the cache's arrays must not reach a checkpoint.
     if isinstance(value, mx.array):
         return mx.array(value)
     if isinstance(value, list):
-        return [_fresh_handles(v) for v in value]
+        return [fresh_handles(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_fresh_handles(v) for v in value)
+        return tuple(fresh_handles(v) for v in value)
     if isinstance(value, dict):
-        return {k: _fresh_handles(v) for k, v in value.items()}
+        return {k: fresh_handles(v) for k, v in value.items()}
     return value
 
 
@@ -63,13 +63,13 @@ class Checkpoint:
     """The state of the caches that cannot be trimmed exactly, taken before a forward."""
 
     def __init__(self, caches: list[Any]) -> None:
-        self._saved = [(c, _fresh_handles(vars(c))) for c in leaves(caches) if not cuts_by_offset(c)]
+        self._saved = [(c, fresh_handles(vars(c))) for c in leaves(caches) if not cuts_by_offset(c)]
 
     def restore(self) -> None:
         """Put every checkpointed cache back as it was (the checkpoint stays valid)."""
         for cache, saved in self._saved:
             vars(cache).clear()
-            vars(cache).update(_fresh_handles(saved))
+            vars(cache).update(fresh_handles(saved))
 
 
 def _temporal_rows(cache: RotatingKVCache) -> tuple[mx.array, mx.array]:

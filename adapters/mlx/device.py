@@ -44,3 +44,36 @@ def describe_runtime() -> dict[str, Any]:
     info["fp32_gemm_gflops"] = round(2 * 64 * 1024 * 1024 / statistics.median(times) / 1e9, 1)
     return info
 
+
+
+PREFIX_CACHE_FRACTION = 0.25  # of the memory free at start: room for the model's own growth stays
+
+
+def default_prefix_cache_bytes(fraction: float = PREFIX_CACHE_FRACTION) -> int:
+    """The prefix cache's default memory budget: a fraction of what is free for MLX right now.
+
+    GPUs report their recommended working set (device_info); on the CPU it is the OS's available memory.
+    """
+    import mlx.core as mx
+
+    free = 0
+    with contextlib.suppress(AttributeError, RuntimeError, TypeError, ValueError):
+        if mx.default_device().type == mx.gpu:
+            info = mx.device_info()
+            limit = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+            free = max(limit - mx.get_active_memory(), 0)
+    if not free:
+        free = _available_host_memory()
+    return int(free * fraction)
+
+
+def _available_host_memory() -> int:
+    import os
+
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2  # half of RAM as free
+    return 1 << 30

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from mlx_dspark.adapters.mlx import cache_state
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.domain.drafting.block import DraftBlock
@@ -332,6 +333,64 @@ class MlxTargetModel:
         self._offset += len(tokens)
         self._ids.extend(tokens)
         return int(cast(int, token.item()))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append `tokens` to the cache in chunks; no logits are computed."""
+        if self._pending is not None:
+            raise RuntimeError("extend while a verify awaits its commit")
+        self._drop_ahead()
+        tokens = list(tokens)
+        record = self._recording
+        for start in range(0, len(tokens), self._prefill_chunk):
+            piece = tokens[start : start + self._prefill_chunk]
+            self._forward(mx.array(piece), record=record)
+            features = self._recorded() if record else None
+            # Evaluate chunk by chunk so activation memory stays bounded by the chunk size.
+            mx.eval(cache_ops.cache_arrays(self._caches), [] if features is None else features)
+            self._add_features(features)
+        self._offset += len(tokens)
+        self._ids.extend(tokens)
+
+    @property
+    def state_tag(self) -> str:
+        capture = ",".join(str(i) for i in self._capture)
+        return f"capture={capture};kv_bits={self._kv_bits}/{self._kv_group_size}"
+
+    def save_state(self) -> cache_state.MlxCacheState:
+        """The cached rows, features included, as a state later forwards never change (buffers shared)."""
+        if self._pending is not None:
+            raise RuntimeError("save_state while a verify awaits its commit")
+        self._drop_ahead()
+        features = None
+        if self._capture:
+            features = self._all_features()
+            mx.eval(features)
+            if self._features_read == len(self._feature_chunks):  # all read: keep one merged chunk
+                self._feature_chunks = [features] if features.shape[0] else []
+                self._features_read = len(self._feature_chunks)
+        return cache_state.save(self._caches, tag=self.state_tag, tokens=tuple(self._ids), features=features)
+
+    def load_state(self, state: Any, keep: int) -> int:
+        """Replace the cache by `state` cut to `keep` rows; 0 (an empty cache) when that is not exact."""
+        self._drop_ahead()
+        if self._pending is not None:
+            self.commit(0)
+        fresh = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
+        if (
+            not isinstance(state, cache_state.MlxCacheState)
+            or state.tag != self.state_tag
+            or not 0 < keep <= state.length
+            or not cache_state.load(state, fresh, keep)
+        ):
+            self._fresh()
+            return 0
+        self._caches = fresh
+        self._offset = keep
+        self._ids = list(state.tokens[:keep])
+        self._feature_chunks = [state.features[:keep]] if state.features is not None else []
+        self._feature_rows = min(keep, 0 if state.features is None else int(state.features.shape[0]))
+        self._features_read = 0
+        return keep
 
     def verify(
         self,

@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from mlx_dspark.domain.events import CapChanged, DecodeEvent, RoundFinished, SourceSwitched
+from mlx_dspark.domain.events import CapChanged, DecodeEvent, PrefillProgress, RoundFinished, SourceSwitched
 
 
 class StructlogTelemetrySink:
@@ -30,6 +30,10 @@ class StructlogTelemetrySink:
                 accepted=event.accepted,
                 draft_ms=round(event.draft_s * 1e3, 3),
                 verify_ms=round(event.verify_s * 1e3, 3),
+            )
+        elif isinstance(event, PrefillProgress):
+            self._log.debug(
+                "prefill.progress", request_id=request_id, done=event.done, total=event.total, reused=event.reused
             )
         elif isinstance(event, CapChanged):
             self._log.info(

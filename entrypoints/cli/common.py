@@ -31,6 +31,10 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
     p.add_argument("--confidence-threshold", type=float, help="DSpark: stop the block when survival drops below")
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
+    p.add_argument(
+        "--prefix-cache-bytes", help="memory for cached prompt prefixes: bytes, 512M, 2G, 0 = off (auto: 1/4 free)"
+    )
+    p.add_argument("--prefix-cache-dir", help="spill cold prefix-cache entries here; reloaded after a restart")
     p.add_argument("--log-level", help="debug, info, warning, error")
 
 
@@ -60,6 +64,8 @@ MODEL_FLAGS = (
     "confidence_threshold",
     "trust_remote_code",
     "cache_dir",
+    "prefix_cache_bytes",
+    "prefix_cache_dir",
     "log_level",
 )
 

@@ -77,6 +77,7 @@ def main(argv: Sequence[str]) -> int:
                         f"{r.generated_tokens} tokens, {r.tokens_per_second:.1f} tok/s, mode {r.mode}{ran}, "
                         f"{r.mean_accepted:.2f} per round, finish {r.finish_reason}"
                     )
+        services.prefix_caches.flush()  # with --prefix-cache-dir, the next run starts from this prompt
         return 0
 
     try:

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
+import anyio
 import attrs
 import structlog
 from litestar import Request, Response
@@ -78,8 +79,9 @@ async def drive(request: Request[Any, Any, Any], dialect: Dialect, begin: Begin)
     exchange = begin(ctx, await read_json(request))
     record.model, record.stream = exchange.model, exchange.streaming
     ctx.check_model(exchange.model)
-    job = ctx.engine.submit(_chat_work(ctx, exchange.chat_request(record.request_id)))
-    prepared = await first(job, record)
+    creq = exchange.chat_request(record.request_id)
+    job = ctx.engine.submit(_chat_work(ctx, creq))
+    prepared = await first(job, record, early=(ctx, creq) if exchange.streaming else None)
     if exchange.streaming:
         return sse_response(ctx, dialect, job, exchange, exchange.stream(prepared), record)
     events = await collect(request, job, record)
@@ -114,10 +116,25 @@ def _chat_work(ctx: HttpContext, creq: ChatRequest) -> Callable[[Any], Any]:
     return lambda generator: chat.stream(generator, creq)
 
 
-async def first(job: EngineJob[ChatItem], record: RequestLog) -> Prepared:
-    """Wait for the turn to be prepared; errors (context overflow, template) surface here as exceptions."""
+async def first(
+    job: EngineJob[ChatItem], record: RequestLog, early: tuple[HttpContext, ChatRequest] | None = None
+) -> Prepared:
+    """Wait for the turn to be prepared; errors (context overflow, template) surface here as exceptions.
+
+    A streaming turn (`early`) queued behind another request does not wait in silence: after
+    `keepalive_s` the same checks run off the engine thread (same errors, same status codes) and the
+    stream starts, so the client gets keep-alives while the job waits in the queue as well as in prefill.
+    """
     try:
-        item = await job.next()
+        try:
+            item = await job.next(timeout=early[0].settings.server.keepalive_s if early else None)
+        except TimeoutError:
+            if early is None:  # pragma: no cover - no timeout without it
+                raise
+            ctx, creq = early
+            prepared: Prepared = await anyio.to_thread.run_sync(ctx.chat.prepare, ctx.engine.generator.model, creq)
+            record.observe(prepared)
+            return prepared
     except BaseException:
         job.cancel()
         raise

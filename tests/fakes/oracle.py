@@ -6,6 +6,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import SamplingParams
@@ -24,6 +26,22 @@ def oracle_logits(prefix: Sequence[int], vocab: int, context: int, sharpness: fl
         seed = (seed * 1103515245 + 12345 + i) & 0x7FFFFFFF
         out.append(sharpness * (seed / 0x7FFFFFFF))
     return out
+
+
+@attrs.frozen
+class OracleState:
+    """A saved cache of the oracle: its rows; a SNAPSHOT oracle loads only at the full length."""
+
+    rows: tuple[int, ...]
+    min_length: int
+
+    @property
+    def length(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * len(self.rows)
 
 
 class OracleTarget:
@@ -54,6 +72,7 @@ class OracleTarget:
         self.verify_widths: list[int] = []
         self.calls: list[tuple[int, tuple[float, ...], float | None]] = []
         self.captures: list[bool] = []
+        self.saves = 0
 
     # The pure function that defines this target.
     def logits(self, prefix: Sequence[int]) -> list[float]:
@@ -99,6 +118,29 @@ class OracleTarget:
         self.rows.extend(tokens)
         self._feature_rows.extend((start + i, t) for i, t in enumerate(tokens))
         return self._pick(self.rows, sampling, uniform)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        start = len(self.rows)
+        self.rows.extend(tokens)
+        self._feature_rows.extend((start + i, t) for i, t in enumerate(tokens))
+
+    @property
+    def state_tag(self) -> str:
+        return "oracle"
+
+    def save_state(self) -> OracleState:
+        self.saves += 1
+        trimmable = self._rollback is RollbackKind.TRIM
+        return OracleState(rows=tuple(self.rows), min_length=0 if trimmable else len(self.rows))
+
+    def load_state(self, state: OracleState, keep: int) -> int:
+        self._pending = []
+        if not state.min_length <= keep <= state.length:
+            self.reset(0)
+            return 0
+        self.rows = list(state.rows[:keep])
+        self._feature_rows = [(i, t) for i, t in enumerate(self.rows)]
+        return keep
 
     def verify(
         self,

@@ -183,3 +183,49 @@ def test_unimplemented_sampling_options_are_refused_not_ignored(live: LiveServer
     # Zero penalties are what many SDKs send by default: accepted.
     ok = {"model": "local-model", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0}
     assert _post(live, "/v1/chat/completions", ok).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "keepalive", "last"),
+    [
+        ("/v1/messages", {"max_tokens": 5}, "event: ping", "event: message_stop"),
+        ("/v1/chat/completions", {"max_tokens": 5}, ": keep-alive", "data: [DONE]"),
+        ("/v1/responses", {"max_output_tokens": 5}, "event: response.in_progress", "event: response.completed"),
+    ],
+)
+def test_keepalives_reach_a_request_that_waits_in_the_queue(live: LiveServer, path, body, keepalive, last) -> None:
+    """A streaming request queued behind a held one gets its stream started and keep-alives, then its answer."""
+    target = live.loader.target
+    live.script(lambda prompt: "ok")
+    gate = threading.Event()
+    target.gate = gate
+    target.reached_gate.clear()
+    headers = {"x-api-key": live.api_key or ""}
+    hold = {"model": "local-model", "max_tokens": 50, "stream": False, "messages": [{"role": "user", "content": "a"}]}
+    holder = threading.Thread(target=lambda: _post(live, "/v1/chat/completions", hold), daemon=True)
+    holder.start()
+    assert target.reached_gate.wait(10)  # the engine is busy with the first request
+    queued = {"model": "local-model", "stream": True, **body}
+    if path == "/v1/responses":
+        queued["input"] = "b"
+    else:
+        queued["messages"] = [{"role": "user", "content": "b"}]
+    lines: list[str] = []
+    try:
+        with httpx.stream("POST", live.base_url + path, json=queued, headers=headers, timeout=30) as r:
+            assert r.status_code == 200
+            stream = r.iter_lines()
+            for line in stream:
+                lines.append(line)
+                if sum(1 for x in lines if x.startswith(keepalive)) >= 3:
+                    break
+            assert not gate.is_set() and target.emitted[-1] <= 1  # still queued behind the held request
+            target.gate = None
+            gate.set()
+            lines.extend(stream)
+    finally:
+        target.gate = None
+        gate.set()
+        holder.join(10)
+    assert last in lines  # the queued request was answered in full once the engine got to it
+    assert '"k"' in "\n".join(lines)
