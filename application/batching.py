@@ -72,8 +72,9 @@ class _Call:
 class RowTarget:
     """The TargetModel port of one batched row: plain decoding only, every forward done by the scheduler."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, vocab_size: int) -> None:
         self._lane = lane
+        self.vocab_size = vocab_size
         self._ids: list[int] = []
         self._anchor: int | None = None
 
@@ -259,7 +260,7 @@ class BatchScheduler:
         row = self._next_row
         self._next_row += 1
         lane = Lane(row, job, self._push)
-        lane.service = self._generator.on_target(RowTarget(lane))
+        lane.service = self._generator.on_target(RowTarget(lane, self._generator.model.target.vocab_size))
         self._lanes.append(lane)
         lane.resume()  # runs until its prefill call (or its end)
         self._settle(lane)

@@ -49,7 +49,12 @@ def _model(family: str) -> Any:
 def service(family: str, *, chunk: int = 4) -> GenerationService:
     target = MlxTargetModel(_model(family), prefill_chunk=chunk)
     model = LoadedModel(
-        name="tiny", identity=f"tiny-{family}", target=target, tokenizer=IdTokenizer(), context_window=4096, family=family
+        name="tiny",
+        identity=f"tiny-{family}",
+        target=target,
+        tokenizer=IdTokenizer(),
+        context_window=4096,
+        family=family,
     )
     return GenerationService(model, clock=FakeClock(), telemetry=RecordingTelemetrySink())
 
