@@ -28,6 +28,7 @@ from mlx_dspark.domain.ports import RollbackKind, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
+_GREEDY = SamplingParams()
 _log = structlog.get_logger("mlx_dspark.batching")
 
 
@@ -47,6 +48,10 @@ class BatchBackend(Protocol):
 
     def close(self, row: int) -> None: ...
 
+    def adopt(self, row: int) -> None:
+        """Move the serial target's cached rows into the batch as `row` (the serial target keeps its copy)."""
+        ...
+
 
 BatchBackendFactory = Callable[[TargetModel], BatchBackend | None]
 
@@ -63,20 +68,32 @@ class _Cancelled(Exception):
 
 @attrs.define
 class _Call:
-    kind: str  # "prefill" | "step"
+    kind: str  # "prefill" | "step" (batched rows); "solo" | "solo-verify" (a lone row on the serial target)
     tokens: list[int]
     sampling: SamplingParams
     uniform: float
+    run: Callable[[], Any] | None = None  # the serial target call of a solo row
 
 
 class RowTarget:
-    """The TargetModel port of one batched row: plain decoding only, every forward done by the scheduler."""
+    """The TargetModel port of one row: plain decoding only, every forward done by the scheduler.
 
-    def __init__(self, lane: Lane, vocab_size: int) -> None:
+    A row admitted alone is solo: it runs on the serial target (today's path, prefix reuse included) until
+    another row needs the batch; then the scheduler moves its cached rows into the batch (`to_batched`).
+    """
+
+    def __init__(self, lane: Lane, vocab_size: int, solo: TargetModel | None = None) -> None:
         self._lane = lane
         self.vocab_size = vocab_size
+        self.solo = solo
         self._ids: list[int] = []
         self._anchor: int | None = None
+
+    def to_batched(self) -> None:
+        """The row now lives in the batch; its cached ids are the serial target's."""
+        assert self.solo is not None
+        self._ids = list(self.solo.cached_ids)
+        self.solo = None
 
     @property
     def rollback_kind(self) -> RollbackKind:
@@ -84,19 +101,30 @@ class RowTarget:
 
     @property
     def cached_tokens(self) -> int:
-        return len(self._ids)
+        return self.solo.cached_tokens if self.solo is not None else len(self._ids)
 
     @property
     def cached_ids(self) -> tuple[int, ...]:
-        return tuple(self._ids)
+        return tuple(self.solo.cached_ids) if self.solo is not None else tuple(self._ids)
+
+    def _solo(self, run: Callable[[], Any]) -> Any:
+        return self._lane.call(_Call("solo", [], _GREEDY, 0.0, run))
 
     def reset(self, keep: int = 0) -> int:
+        solo = self.solo
+        if solo is not None:
+            kept: int = self._solo(lambda: solo.reset(keep))
+            return kept
         if self._ids:
             raise RuntimeError("a batched row decodes one request")
         return 0
 
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
-        token = self._lane.call(_Call("prefill", list(tokens), sampling, uniform))
+        solo = self.solo
+        if solo is not None:
+            first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform))
+            return first
+        token: int = self._lane.call(_Call("prefill", list(tokens), sampling, uniform))
         self._ids.extend(tokens)
         return token
 
@@ -105,11 +133,25 @@ class RowTarget:
             raise RuntimeError("batched rows decode plainly (no drafts)")
         if self._anchor is not None:
             raise RuntimeError("verify while the previous verify awaits its commit")
-        token = self._lane.call(_Call("step", [anchor], sampling, uniforms[0]))
+        solo = self.solo
+        if solo is not None:
+            call = _Call(
+                "solo-verify", [anchor], sampling, uniforms[0], lambda: solo.verify(anchor, block, sampling, uniforms)
+            )
+        else:
+            call = _Call("step", [anchor], sampling, uniforms[0])
         self._anchor = anchor
-        return Acceptance(accepted=0, next_token=token)
+        result = self._lane.call(call)
+        if isinstance(result, Acceptance):  # still solo: the serial target holds the pending verify
+            return result
+        return Acceptance(accepted=0, next_token=result)
 
     def commit(self, keep_rows: int) -> None:
+        if self.solo is not None:
+            solo = self.solo
+            self._anchor = None
+            self._solo(lambda: solo.commit(keep_rows))
+            return
         anchor, self._anchor = self._anchor, None
         if anchor is None:
             raise RuntimeError("commit without a verify")
@@ -133,6 +175,7 @@ class Lane:
         self.spent = False
         self.opened = False
         self.service: GenerationService | None = None  # set before the first resume
+        self.target: RowTarget | None = None
         self._push = push
         self._result: int | BaseException | None = None
         self._go = threading.Event()
@@ -141,7 +184,7 @@ class Lane:
 
     # In the lane's thread.
 
-    def call(self, request: _Call) -> int:
+    def call(self, request: _Call) -> Any:
         if self.spent:
             raise RuntimeError("a finished row asked for another step")
         self.call_pending = request
@@ -151,7 +194,6 @@ class Lane:
         result, self._result = self._result, None
         if isinstance(result, BaseException):
             raise result
-        assert isinstance(result, int)
         return result
 
     def _main(self) -> None:
@@ -182,7 +224,7 @@ class Lane:
 
     # In the scheduler's thread.
 
-    def resume(self, result: int | BaseException | None = None) -> None:
+    def resume(self, result: Any = None) -> None:
         """Hand the baton to the lane until it asks for work again or ends."""
         if not self._thread.is_alive() and not self.done:
             self._thread.start()
@@ -221,8 +263,9 @@ class BatchScheduler:
         self._push = push
         self._lanes: list[Lane] = []
         self._next_row = 0
-        self.steps = 0
+        self.steps = 0  # batched forwards
         self.widest = 0
+        self.migrations = 0  # solo rows moved into the batch
 
     @property
     def active(self) -> int:
@@ -260,7 +303,9 @@ class BatchScheduler:
         row = self._next_row
         self._next_row += 1
         lane = Lane(row, job, self._push)
-        lane.service = self._generator.on_target(RowTarget(lane, self._generator.model.target.vocab_size))
+        serial = self._generator.model.target
+        lane.target = RowTarget(lane, serial.vocab_size, solo=None if self._lanes else serial)
+        lane.service = self._generator.on_target(lane.target)
         self._lanes.append(lane)
         lane.resume()  # runs until its prefill call (or its end)
         self._settle(lane)
@@ -277,6 +322,24 @@ class BatchScheduler:
 
     def _tick(self) -> None:
         for lane in list(self._lanes):
+            self._settle(lane)
+        for lane in [
+            lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind.startswith("solo")
+        ]:
+            call = lane.call_pending
+            assert call is not None and call.run is not None and lane.target is not None
+            if call.kind == "solo-verify" and len(self._lanes) > 1:  # another row wants the batch: move in
+                self._backend.adopt(lane.row)
+                lane.target.to_batched()
+                call.kind = "step"
+                self.migrations += 1
+                continue
+            try:
+                result = call.run()
+            except Exception as exc:
+                lane.resume(exc)
+            else:
+                lane.resume(result)
             self._settle(lane)
         prefilling = [
             lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "prefill"

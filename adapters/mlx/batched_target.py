@@ -38,11 +38,13 @@ class BatchedPlainTarget:
 
     Args:
         model: the mlx-lm module (shared with the serial target: weights are not copied).
+        serial: the one-request target over the same module, whose rows `adopt` moves into the batch.
         prefill_chunk: prompt tokens per prefill forward (the serial target's value, for identical sums).
     """
 
-    def __init__(self, model: Any, *, prefill_chunk: int = 512) -> None:
+    def __init__(self, model: Any, *, prefill_chunk: int = 512, serial: MlxTargetModel | None = None) -> None:
         self._model = model
+        self._serial = serial
         self._chunk = prefill_chunk
         self._rows: dict[int, _Row] = {}
         self._order: list[int] = []  # row ids in batch order
@@ -124,6 +126,16 @@ class BatchedPlainTarget:
         for c in self._batch:
             c.filter(index)
 
+    def adopt(self, row: int) -> None:
+        """Copy the serial target's cached rows into the batch as `row`; the serial target keeps its own."""
+        if self._serial is None:
+            raise RuntimeError("no serial target to adopt from")
+        if row in self._rows:
+            raise ValueError(f"row {row} is already open")
+        # Its caches are plain KV (checked by batch_backend) and no verify is pending between two rounds.
+        self._rows[row] = r = _Row(list(self._serial._caches))
+        self._join(row, r)
+
     def _join(self, row: int, r: _Row) -> None:
         rows = [BatchKVCache.merge([c]) for c in r.caches]
         if self._batch is None:
@@ -131,6 +143,7 @@ class BatchedPlainTarget:
         else:
             for b, c in zip(self._batch, rows):
                 b.extend(c)
+        mx.eval(cache_ops.cache_arrays(self._batch))  # copies now: the rows' own caches may change later
         self._order.append(row)
         r.joined = True
         r.caches = []
@@ -145,4 +158,4 @@ def batch_backend(target: TargetModel) -> BatchedPlainTarget | None:
     probe = cache_ops.make_caches(target.model, kv_bits)
     if not all(type(c) is KVCache for c in probe):
         return None
-    return BatchedPlainTarget(target.model, prefill_chunk=chunk)
+    return BatchedPlainTarget(target.model, prefill_chunk=chunk, serial=target)

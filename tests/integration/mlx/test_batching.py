@@ -133,9 +133,9 @@ def solo(family: str, request: GenerationRequest) -> tuple[tuple[int, ...], Fini
     return result.token_ids, result.finish_reason
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) -> None:
     reqs = requests(n, sampled=sampled, seed=n)
     jobs = [Job(r) for r in reqs]
@@ -147,6 +147,20 @@ def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) ->
         assert job.result().finish_reason is reason
     if n > 1:
         assert scheduler.widest > 1  # rows really shared forwards
+        assert scheduler.migrations >= 1  # the first row started solo and moved into the batch
+
+
+def test_a_lone_request_takes_the_serial_path_with_its_prefix_reuse() -> None:
+    gen = service("llama")
+    first = GenerationRequest(prompt=(30, 40, 50, 60, 70), max_tokens=8)
+    jobs = [Job(first)]
+    scheduler = run_batched(gen, jobs, max_batch=8, join_every=1)
+    assert scheduler.steps == 0 and scheduler.migrations == 0
+    follow = GenerationRequest(prompt=first.prompt + jobs[0].tokens() + (90,), max_tokens=8)
+    again = Job(follow)
+    run_batched(gen, [again], max_batch=8, join_every=1)
+    assert again.result().cached_prompt_tokens > len(first.prompt)
+    assert again.tokens() == solo("llama", follow)[0]
 
 
 def test_max_batch_bounds_the_width_and_queued_requests_still_match() -> None:
@@ -184,7 +198,7 @@ def test_a_long_prompt_prefills_in_chunks_while_other_rows_decode() -> None:
     pending = [jobs[1]]
 
     def take() -> Job | None:
-        if pending and scheduler.steps == 2:
+        if pending and len(jobs[0].items) == 2:
             return pending.pop()
         if not pending and not jobs[1].items:
             steps_before_long_joined.append(scheduler.steps)
@@ -192,7 +206,7 @@ def test_a_long_prompt_prefills_in_chunks_while_other_rows_decode() -> None:
 
     scheduler.run(jobs[0], take)
     # 59 body tokens in chunks of 4 = 15 chunks: the short row kept decoding through them.
-    assert max(steps_before_long_joined) - 2 >= 10
+    assert max(steps_before_long_joined) >= 10
     assert jobs[0].tokens() == solo("llama", short)[0]
     assert jobs[1].tokens() == solo("llama", long)[0]
 
