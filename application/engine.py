@@ -256,8 +256,7 @@ class EngineThread:
                         job._push(_ERROR, EngineDown(message=self._down_message()))
                         continue
                     if self._batcher is not None:
-                        generator = self._generator
-                        self._batcher.run(job, self._take, lambda: self._stopping, lambda: self._run_quick(generator))
+                        self._batcher.run(job, self._take, lambda: self._stopping, self._quick_between)
                     else:
                         self._run(job, self._generator)
                 self._run_quick(self._generator)
@@ -308,6 +307,10 @@ class EngineThread:
         return BatchScheduler(
             backend, generator, max_batch=self._max_batch, push=lambda job, kind, value: job._push(kind, value)
         )
+
+    def _quick_between(self) -> None:
+        if self._generator is not None:
+            self._run_quick(self._generator)
 
     def _take(self) -> EngineJob[Any] | None:
         """A queued job for the batch, or None when none waits (the stop marker stays queued)."""
