@@ -56,6 +56,11 @@ def _push(job: _Job, kind: str, value: Any) -> None:
         job.error = value
 
 
+def _taker(jobs: Sequence[_Job]) -> Callable[[], _Job | None]:
+    queued = iter(jobs)
+    return lambda: next(queued, None)
+
+
 def run_concurrency_bench(
     generator: GenerationService,
     backend: BatchBackend,
@@ -84,9 +89,8 @@ def run_concurrency_bench(
         generator.model.target.reset(0)  # no prefix from the previous level
         jobs = [_Job(request(i), clock) for i in range(n)]
         scheduler = BatchScheduler(backend, generator, max_batch=n, push=_push)
-        queued = iter(jobs[1:])
         start = clock.now()
-        scheduler.run(jobs[0], lambda queued=queued: next(queued, None))
+        scheduler.run(jobs[0], _taker(jobs[1:]))
         wall = clock.now() - start
         failed = [j.error for j in jobs if j.error is not None]
         if failed:

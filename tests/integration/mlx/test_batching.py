@@ -245,3 +245,28 @@ def test_the_engine_thread_batches_concurrent_jobs() -> None:
         engine.stop(timeout=10)
     assert engine._batcher is not None and engine._batcher.widest > 1
     assert outs == [solo("llama", r)[0] for r in reqs]
+
+
+def test_concurrency_bench_measures_each_level_against_one_request() -> None:
+    from mlx_dspark.application.bench_concurrency import run_concurrency_bench
+
+    gen = service("llama")
+    backend = batch_backend(gen.model.target)
+    assert backend is not None
+    points = run_concurrency_bench(gen, backend, ["abcdefgh", "hello there"], FakeClock(), levels=(1, 3), max_tokens=6)
+    assert [p.concurrency for p in points] == [1, 3]
+    assert [p.widest_batch for p in points] == [1, 3]
+    assert points[0].speedup == 1.0 and all(p.lossless for p in points)
+    assert points[1].generated_tokens == 18
+
+
+def test_max_batch_is_a_setting_and_a_serve_flag() -> None:
+    from mlx_dspark.application.settings import load_settings
+    from mlx_dspark.domain.errors import InvalidRequest
+    from mlx_dspark.entrypoints.cli.serve import parser
+
+    assert load_settings({}, {}).server.max_batch == 8
+    assert load_settings({}, {"MLX_DSPARK_MAX_BATCH": "3"}).server.max_batch == 3
+    assert parser().parse_args(["--max-batch", "2"]).max_batch == 2
+    with pytest.raises(InvalidRequest):
+        load_settings({"max_batch": 0}, {})
