@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlx_dspark.application.batching import BatchBackend, BatchBackendFactory
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
 from mlx_dspark.application.ports import CalibrationStore, DrafterTrainer, ModelLoader, PrefixStore, TrainingTarget
 from mlx_dspark.application.prefix_cache import PrefixCaches
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
-from mlx_dspark.domain.ports import TelemetrySink
+from mlx_dspark.domain.ports import TargetModel, TelemetrySink
 
 __all__ = ["Services", "build", "build_trainer", "install_default_models", "prepare_runtime", "runtime_report"]
 
@@ -199,6 +200,17 @@ def build_dashboard(
         probe=machine,
         feed=feed,
     )
+
+
+def batch_backend_factory() -> BatchBackendFactory:
+    """The batched form of a loaded target, for continuous batching (None for targets that have none)."""
+
+    def factory(target: TargetModel) -> BatchBackend | None:
+        from mlx_dspark.adapters.mlx.batched_target import batch_backend
+
+        return batch_backend(target)
+
+    return factory
 
 
 def build_trainer(settings: Settings) -> DrafterTrainer:

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import structlog
 
+from mlx_dspark.application.batching import BatchBackendFactory, BatchScheduler, batchable
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.errors import CapacityExceeded, Overloaded
 
@@ -99,6 +100,8 @@ class EngineThread:
         generator_factory: builds the GenerationService (loads the model) on the engine thread.
         max_queue: jobs that may wait (both lanes together) besides the running one.
         name: the thread's name.
+        max_batch: requests decoded together (1: strictly one at a time).
+        batch_backend: the target's batched form, when it has one (plain decoding only).
     """
 
     def __init__(
@@ -107,8 +110,13 @@ class EngineThread:
         *,
         max_queue: int = 16,
         name: str = "mlx-dspark-engine",
+        max_batch: int = 1,
+        batch_backend: BatchBackendFactory | None = None,
     ) -> None:
         self._factory = generator_factory
+        self._max_batch = max_batch
+        self._batch_backend = batch_backend
+        self._batcher: BatchScheduler | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()  # EngineJob, _WAKE, or None (stop)
         self._quick: queue.SimpleQueue[EngineJob[Any]] = queue.SimpleQueue()
         self._max_queue = max_queue
@@ -231,7 +239,13 @@ class EngineThread:
                 return
             finally:
                 self._ready.set()
-            _log.info("engine.ready", model=self._generator.model.name, mode=self._generator.mode)
+            self._batcher = self._make_batcher(self._generator)
+            _log.info(
+                "engine.ready",
+                model=self._generator.model.name,
+                mode=self._generator.mode,
+                max_batch=self._max_batch if self._batcher is not None else 1,
+            )
             while True:
                 job = self._jobs.get()
                 if job is None:
@@ -242,7 +256,10 @@ class EngineThread:
                     if self._stopping:  # queued before stop(): answered, not run
                         job._push(_ERROR, EngineDown(message=self._down_message()))
                         continue
-                    self._run(job, self._generator)
+                    if self._batcher is not None:
+                        self._batcher.run(job, self._take, lambda: self._stopping, self._quick_between)
+                    else:
+                        self._run(job, self._generator)
                 self._run_quick(self._generator)
         finally:
             self._drain()
@@ -294,6 +311,39 @@ class EngineThread:
             return
         if written:
             _log.info("prefix_cache.flushed", entries=written)
+    def _make_batcher(self, generator: GenerationService) -> BatchScheduler | None:
+        if self._max_batch < 2 or self._batch_backend is None or not batchable(generator):
+            return None
+        backend = self._batch_backend(generator.model.target)
+        if backend is None:  # rotating or recurrent caches: served one at a time
+            _log.info("engine.batching_off", reason="the target's caches have no batched form")
+            return None
+        return BatchScheduler(
+            backend, generator, max_batch=self._max_batch, push=lambda job, kind, value: job._push(kind, value)
+        )
+
+    def _quick_between(self) -> None:
+        if self._generator is not None:
+            self._run_quick(self._generator)
+
+    def _take(self) -> EngineJob[Any] | None:
+        """A queued job for the batch, or None when none waits (the stop marker stays queued)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return None
+            if job is None:
+                self._jobs.put(None)
+                return None
+            if job is _WAKE:  # quick jobs are served between ticks
+                continue
+            self._taken()
+            if self._stopping:
+                job._push(_ERROR, EngineDown(message=self._down_message()))
+                continue
+            result: EngineJob[Any] = job
+            return result
 
     def _drain(self) -> None:
         """Answer every queued job once the thread is ending, so no caller waits forever."""

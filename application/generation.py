@@ -23,7 +23,7 @@ from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
-from mlx_dspark.domain.ports import Clock, DraftSource, TelemetrySink
+from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel, TelemetrySink
 from mlx_dspark.domain.stops import StopStringMatcher
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 
@@ -139,6 +139,15 @@ class GenerationService:
     def mode(self) -> str:
         """The mode name ("auto" or a fixed mode)."""
         return self.selector.mode
+
+    def on_target(self, target: TargetModel) -> GenerationService:
+        """The same service over another target (a batched row), sharing selector, clock and telemetry."""
+        return GenerationService(
+            attrs.evolve(self.model, target=target),
+            clock=self._clock,
+            telemetry=self._telemetry,
+            selector=self.selector,
+        )
 
     def encode_prompt(self, request: GenerationRequest) -> list[int]:
         """Token ids of the request's prompt, through the chat template where asked."""
@@ -308,4 +317,3 @@ __all__ = [
     "MonotonicClock",
     "TextChunk",
 ]
-

@@ -69,6 +69,7 @@ class ServerSettings:
     keepalive_s: float = attrs.field(default=5.0, validator=_positive)
     max_body_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
     max_queue: int = attrs.field(default=16, validator=_positive)
+    max_batch: int = attrs.field(default=8, validator=_positive)  # 1 = one request at a time
 
 
 def parse_bytes(value: str | int | None) -> int | None:

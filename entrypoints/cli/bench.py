@@ -8,6 +8,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+import attrs
+
 from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, start_with_model
 from mlx_dspark.entrypoints.cli.progress import ProgressBar
 
@@ -30,8 +32,58 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also write a PNG of tok/s per mode and the cost curves")
+    p.add_argument(
+        "--concurrency",
+        metavar="N,N,...",
+        help="instead: aggregate decode tok/s of N requests batched together (e.g. 1,2,4,8; plain decoding)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar, only the report")
     return p
+
+
+def _levels(spec: str) -> list[int]:
+    from mlx_dspark.domain.errors import InvalidRequest
+
+    try:
+        levels = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise InvalidRequest(message=f"--concurrency takes positive integers like 1,2,4,8; got {spec!r}")
+    return levels
+
+
+def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
+    from mlx_dspark.application import bootstrap
+    from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_bench
+    from mlx_dspark.application.data import load_prompts
+    from mlx_dspark.application.modes import build_generator
+    from mlx_dspark.domain.errors import InvalidRequest
+
+    levels = _levels(args.concurrency)
+    prompts = [p.prompt for p in load_prompts(args.prompts).prompts]
+    settings, services, model = start_with_model(args, bar.note)
+    backend = bootstrap.batch_backend_factory()(model.target)
+    if backend is None:
+        raise InvalidRequest(message="this target's caches have no batched form (rotating or recurrent layers)")
+    generator = build_generator(services, settings, model=model, mode="baseline")
+    points = run_concurrency_bench(
+        generator,
+        backend,
+        prompts,
+        services.clock,
+        levels=levels,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        progress=bar.update,
+    )
+    bar.close()
+    if args.json:
+        sys.stdout.write(json.dumps([attrs.asdict(p) for p in points], indent=1) + "\n")
+    else:
+        sys.stdout.write(render_concurrency(points))
+    return 0 if all(p.lossless for p in points) else 3
 
 
 def main(argv: Sequence[str]) -> int:
@@ -39,6 +91,8 @@ def main(argv: Sequence[str]) -> int:
     bar = ProgressBar(quiet=args.quiet)
 
     def body() -> int:
+        if args.concurrency:
+            return _concurrency(args, bar)
         from mlx_dspark.application import bootstrap
         from mlx_dspark.application.bench import report_json, run_bench, runner_curves
         from mlx_dspark.application.data import load_prompts

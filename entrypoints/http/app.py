@@ -19,7 +19,7 @@ from litestar.exceptions import HTTPException
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
-from mlx_dspark.application.bootstrap import build_dashboard
+from mlx_dspark.application.bootstrap import batch_backend_factory, build_dashboard
 from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.engine import EngineThread
@@ -97,7 +97,12 @@ def create_app(services: Services, settings: Settings | None = None, *, dashboar
 
         return build_generator(services, settings)
 
-    engine = EngineThread(build, max_queue=settings.server.max_queue)
+    engine = EngineThread(
+        build,
+        max_queue=settings.server.max_queue,
+        max_batch=settings.server.max_batch,
+        batch_backend=batch_backend_factory(),
+    )
     ctx = support.HttpContext(engine=engine, chat=ChatService(services.families, settings.server), settings=settings)
 
     @asynccontextmanager

@@ -1,0 +1,272 @@
+"""Continuous batching: every row's output equals the same request decoded alone, token for token.
+
+Tiny float32 mlx-lm models of the dense families; 1-8 concurrent requests (greedy and seeded sampling)
+that join at different steps, prefill in chunks beside decoding rows, leave at different lengths, and
+one cancelled mid-flight. Rotating and recurrent targets are not batched (they run serially).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from mlx_dspark.adapters.mlx.batched_target import batch_backend
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.application.batching import BatchScheduler
+from mlx_dspark.application.engine import EngineThread
+from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService, TextChunk
+from mlx_dspark.domain.model import LoadedModel
+from mlx_dspark.domain.tokens import FinishReason, SamplingParams
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.fakes.tiny_models import VOCAB, tiny_model
+
+EOS = 7
+
+
+class IdTokenizer:
+    """Each id reads back as its own bracketed number (no merges, so text never holds a token back)."""
+
+    chat_template = None
+    eos_ids = frozenset({EOS})
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@functools.cache
+def _model(family: str) -> Any:
+    return tiny_model(family, seed=0)
+
+
+def service(family: str, *, chunk: int = 4) -> GenerationService:
+    target = MlxTargetModel(_model(family), prefill_chunk=chunk)
+    model = LoadedModel(
+        name="tiny",
+        identity=f"tiny-{family}",
+        target=target,
+        tokenizer=IdTokenizer(),
+        context_window=4096,
+        family=family,
+    )
+    return GenerationService(model, clock=FakeClock(), telemetry=RecordingTelemetrySink())
+
+
+def requests(n: int, *, sampled: bool, seed: int = 0) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = tuple(rng.randrange(8, VOCAB) for _ in range(rng.randrange(2, 23)))
+        sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) if sampled else SamplingParams()
+        out.append(GenerationRequest(prompt=prompt, max_tokens=rng.randrange(4, 28), sampling=sampling))
+    return out
+
+
+class Job:
+    """The engine job shape the scheduler needs: work, cancelled, cancel; collects what is pushed."""
+
+    def __init__(self, request: GenerationRequest, cancel_after: int | None = None) -> None:
+        self.request = request
+        self.cancelled = False
+        self.cancel_after = cancel_after
+        self.items: list[Any] = []
+        self.ended: str | None = None
+        self.error: BaseException | None = None
+
+    def work(self, generator: GenerationService) -> Any:
+        return generator.stream(self.request)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(t for item in self.items if isinstance(item, TextChunk) for t in item.token_ids)
+
+    def result(self) -> Any:
+        done = [item for item in self.items if isinstance(item, GenerationDone)]
+        return done[0].result if done else None
+
+
+def push(job: Job, kind: str, value: Any) -> None:
+    if kind == "item":
+        job.items.append(value)
+        if job.cancel_after is not None and len(job.items) >= job.cancel_after:
+            job.cancel()
+    elif kind == "error":
+        job.error = value
+        job.ended = kind
+    else:
+        job.ended = kind
+
+
+def run_batched(gen: GenerationService, jobs: list[Job], *, max_batch: int, join_every: int) -> BatchScheduler:
+    """Jobs join one at a time, `join_every` take() calls apart (so later ones arrive mid-flight)."""
+    backend = batch_backend(gen.model.target)
+    assert backend is not None
+    scheduler = BatchScheduler(backend, gen, max_batch=max_batch, push=push)
+    waiting = list(jobs[1:])
+    calls = 0
+
+    def take() -> Job | None:
+        nonlocal calls
+        calls += 1
+        if waiting and calls % join_every == 0:
+            return waiting.pop(0)
+        return None
+
+    scheduler.run(jobs[0], take)
+    while waiting:  # the batch drained before everyone joined: the engine would start the next run
+        scheduler.run(waiting.pop(0), take)
+    return scheduler
+
+
+@functools.cache
+def solo(family: str, request: GenerationRequest) -> tuple[tuple[int, ...], FinishReason]:
+    result = service(family).generate(request)
+    return result.token_ids, result.finish_reason
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) -> None:
+    reqs = requests(n, sampled=sampled, seed=n)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(service(family), jobs, max_batch=8, join_every=3)
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        tokens, reason = solo(family, req)
+        assert job.tokens() == tokens
+        assert job.result().finish_reason is reason
+    if n > 1:
+        assert scheduler.widest > 1  # rows really shared forwards
+        assert scheduler.migrations >= 1  # the first row started solo and moved into the batch
+
+
+def test_a_lone_request_takes_the_serial_path_with_its_prefix_reuse() -> None:
+    gen = service("llama")
+    first = GenerationRequest(prompt=(30, 40, 50, 60, 70), max_tokens=8)
+    jobs = [Job(first)]
+    scheduler = run_batched(gen, jobs, max_batch=8, join_every=1)
+    assert scheduler.steps == 0 and scheduler.migrations == 0
+    follow = GenerationRequest(prompt=first.prompt + jobs[0].tokens() + (90,), max_tokens=8)
+    again = Job(follow)
+    run_batched(gen, [again], max_batch=8, join_every=1)
+    assert again.result().cached_prompt_tokens > len(first.prompt)
+    assert again.tokens() == solo("llama", follow)[0]
+
+
+def test_max_batch_bounds_the_width_and_queued_requests_still_match() -> None:
+    reqs = requests(6, sampled=True, seed=11)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(service("llama"), jobs, max_batch=2, join_every=1)
+    assert scheduler.widest == 2
+    for job, req in zip(jobs, reqs):
+        assert job.tokens() == solo("llama", req)[0]
+
+
+def test_one_cancelled_row_leaves_and_the_others_are_undisturbed() -> None:
+    reqs = [*requests(4, sampled=False, seed=3), *requests(2, sampled=True, seed=4)]
+    reqs = [GenerationRequest(prompt=r.prompt, max_tokens=24, sampling=r.sampling) for r in reqs]
+    jobs = [Job(r, cancel_after=5 if i == 1 else None) for i, r in enumerate(reqs)]
+    run_batched(service("qwen3"), jobs, max_batch=8, join_every=2)
+    cancelled = jobs[1]
+    assert cancelled.ended == "end" and cancelled.result() is None
+    assert 0 < len(cancelled.tokens()) < len(solo("qwen3", reqs[1])[0])
+    assert cancelled.tokens() == solo("qwen3", reqs[1])[0][: len(cancelled.tokens())]
+    for job, req in zip(jobs, reqs):
+        if job is not cancelled:
+            assert job.tokens() == solo("qwen3", req)[0]
+
+
+def test_a_long_prompt_prefills_in_chunks_while_other_rows_decode() -> None:
+    short = GenerationRequest(prompt=(20, 30, 40), max_tokens=24)
+    long = GenerationRequest(prompt=tuple(range(8, 8 + 60)), max_tokens=4)
+    jobs = [Job(short), Job(long)]
+    gen = service("llama", chunk=4)
+    steps_before_long_joined: list[int] = []
+    backend = batch_backend(gen.model.target)
+    assert backend is not None
+    scheduler = BatchScheduler(backend, gen, max_batch=4, push=push)
+    pending = [jobs[1]]
+
+    def take() -> Job | None:
+        if pending and len(jobs[0].items) == 2:
+            return pending.pop()
+        if not pending and not jobs[1].items:
+            steps_before_long_joined.append(scheduler.steps)
+        return None
+
+    scheduler.run(jobs[0], take)
+    # 59 body tokens in chunks of 4 = 15 chunks: the short row kept decoding through them.
+    assert max(steps_before_long_joined) >= 10
+    assert jobs[0].tokens() == solo("llama", short)[0]
+    assert jobs[1].tokens() == solo("llama", long)[0]
+
+
+def test_a_failing_row_does_not_disturb_the_others() -> None:
+    reqs = requests(3, sampled=False, seed=5)
+    bad = GenerationRequest(prompt=(), max_tokens=4)  # the service refuses an empty prompt
+    jobs = [Job(reqs[0]), Job(bad), Job(reqs[1]), Job(reqs[2])]
+    run_batched(service("llama"), jobs, max_batch=8, join_every=1)
+    assert jobs[1].ended == "error"
+    for job, req in zip([jobs[0], jobs[2], jobs[3]], reqs):
+        assert job.tokens() == solo("llama", req)[0]
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+def test_rotating_and_recurrent_targets_have_no_batched_form(family: str) -> None:
+    assert batch_backend(MlxTargetModel(_model(family))) is None
+
+
+def test_the_engine_thread_batches_concurrent_jobs() -> None:
+    reqs = requests(4, sampled=True, seed=9)
+    engine = EngineThread(lambda: service("llama"), max_batch=4, batch_backend=batch_backend)
+    engine.start()
+    assert engine.wait_ready(30)
+
+    async def one(req: GenerationRequest) -> tuple[int, ...]:
+        job = engine.submit(lambda g: g.stream(req))
+        return tuple(t for item in [i async for i in job] if isinstance(item, TextChunk) for t in item.token_ids)
+
+    async def main() -> list[tuple[int, ...]]:
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.stop(timeout=10)
+    assert engine._batcher is not None and engine._batcher.widest > 1
+    assert outs == [solo("llama", r)[0] for r in reqs]
+
+
+def test_concurrency_bench_measures_each_level_against_one_request() -> None:
+    from mlx_dspark.application.bench_concurrency import run_concurrency_bench
+
+    gen = service("llama")
+    backend = batch_backend(gen.model.target)
+    assert backend is not None
+    points = run_concurrency_bench(gen, backend, ["abcdefgh", "hello there"], FakeClock(), levels=(1, 3), max_tokens=6)
+    assert [p.concurrency for p in points] == [1, 3]
+    assert [p.widest_batch for p in points] == [1, 3]
+    assert points[0].speedup == 1.0 and all(p.lossless for p in points)
+    assert points[1].generated_tokens == 18
+
+
+def test_max_batch_is_a_setting_and_a_serve_flag() -> None:
+    from mlx_dspark.application.settings import load_settings
+    from mlx_dspark.domain.errors import InvalidRequest
+    from mlx_dspark.entrypoints.cli.serve import parser
+
+    assert load_settings({}, {}).server.max_batch == 8
+    assert load_settings({}, {"MLX_DSPARK_MAX_BATCH": "3"}).server.max_batch == 3
+    assert parser().parse_args(["--max-batch", "2"]).max_batch == 2
+    with pytest.raises(InvalidRequest):
+        load_settings({"max_batch": 0}, {})
