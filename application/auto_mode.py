@@ -1,8 +1,9 @@
 """Use case: `--mode auto` picks the draft source for a (target, drafter) pair by measurement.
 
 A short race on built-in prompts decides at first use (stored with the calibration); online, the
-AutoSelector keeps per-source observed throughput and moves to another source between requests
-when it is measurably faster. Every source is verified by the target, so any choice is lossless.
+AutoSelector keeps per-source observed throughput and moves to another source when it is measurably
+faster: between requests, and within one when the running source loses on the user's own prompt.
+Every round is verified by the target, so any choice is lossless.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mlx_dspark.application.ports import CalibrationStore, LoadedModel
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap, MeasuredCap
-from mlx_dspark.domain.drafting.selection import FixedSelector, Selection, SourceSelector
+from mlx_dspark.domain.drafting.selection import FixedSelector, Selection, SourceSelector, SourceSwitcher
 from mlx_dspark.domain.events import Finished, SourceSwitched, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
@@ -108,12 +109,18 @@ class _Candidate:
 
 
 class AutoSelector:
-    """`--mode auto` online: picks one candidate per request from observed throughput.
+    """`--mode auto` online: picks a candidate per request, and may hand over within a request.
 
-    Per candidate it keeps an EWMA of observed decode throughput (seeded with the race result). At each
-    new request it takes the best one; a candidate not measured for `explore_every` requests runs once so
-    a stale estimate can recover. A switch is reported as a SourceSwitched event. Switching only at
-    request boundaries keeps feature-reading drafters whole.
+    Per candidate it keeps an estimate of decode throughput (seeded with the race, folded as an EWMA of
+    what each request observed) and one cap policy for the candidate's whole life, so a MeasuredCap keeps
+    what it learned (it also pauses a losing source by itself: a paused round is a plain one).
+
+    Between requests: the best estimate runs; a candidate not measured for `explore_every` requests runs
+    once so a stale estimate can recover. Within a request: once the running candidate has `min_rounds`
+    rounds on this prompt, if another candidate's estimate beats what it observes by `margin`, the
+    request moves there from the next round (plain decoding included); the loser's estimate becomes what
+    it observed on this prompt, so it is not chosen back on a stale number. Each switch is a
+    SourceSwitched event. The target verifies every round, so no switch changes the output.
     """
 
     def __init__(
@@ -125,6 +132,8 @@ class AutoSelector:
         explore_every: int = 8,
         alpha: float = 0.3,
         margin: float = 0.05,
+        min_rounds: int = 6,
+        in_request: bool = True,
     ) -> None:
         if not candidates:
             raise ValueError("no candidates")
@@ -137,6 +146,8 @@ class AutoSelector:
         self._explore_every = explore_every
         self._alpha = alpha
         self._margin = margin
+        self._min_rounds = min_rounds
+        self._in_request = in_request
         self.current = max(self._candidates, key=lambda n: self._candidates[n].rate)
         self._requests = 0
         self._seen = dict.fromkeys(self._candidates, 0)  # request index of each candidate's last measurement
@@ -148,6 +159,18 @@ class AutoSelector:
     def rates(self) -> dict[str, float]:
         """Current throughput estimates per candidate."""
         return {name: c.rate for name, c in self._candidates.items()}
+
+    def _selection(self, name: str, switched: SourceSwitched | None, switcher: SourceSwitcher | None) -> Selection:
+        cand = self._candidates[name]
+        return Selection(name=name, source=cand.source, policy=cand.policy, switched=switched, switcher=switcher)
+
+    def _fold(self, name: str, observed: float, alpha: float) -> None:
+        cand = self._candidates[name]
+        cand.rate = observed if cand.rate <= 0 else cand.rate + alpha * (observed - cand.rate)
+
+    def _best_other(self, name: str) -> str | None:
+        others = [n for n in self._candidates if n != name]
+        return max(others, key=lambda n: self._candidates[n].rate) if others else None
 
     def select(self, prompt: Sequence[int]) -> Selection:
         self._requests += 1
@@ -170,15 +193,56 @@ class AutoSelector:
                 reason=f"{why}: estimated {cands[chosen].rate:.1f} vs {cands[self.current].rate:.1f} tok/s",
             )
             self.current = chosen
-        cand = cands[self.current]
-        return Selection(name=self.current, source=cand.source, policy=cand.policy, switched=switched)
+        switcher = _RequestSwitcher(self, chosen) if self._in_request else None
+        return self._selection(chosen, switched, switcher)
 
     def finished(self, selection: Selection, usage: Usage) -> None:
-        cand = self._candidates.get(selection.name)
-        if cand is None or usage.decode_s <= 0 or usage.generated_tokens < 2:
+        if isinstance(selection.switcher, _RequestSwitcher):
+            selection.switcher.close()
+        elif usage.decode_s > 0 and usage.generated_tokens > 1:
+            self._fold(selection.name, (usage.generated_tokens - 1) / usage.decode_s, self._alpha)
+
+
+class _RequestSwitcher:
+    """One request's view of an AutoSelector: observed throughput of the running candidate on this prompt."""
+
+    def __init__(self, owner: AutoSelector, name: str) -> None:
+        self._owner = owner
+        self._name = name
+        self._tokens = 0
+        self._seconds = 0.0
+        self._rounds = 0
+        self._closed = False
+
+    def after_round(self, name: str, committed: int, seconds: float) -> Selection | None:
+        owner = self._owner
+        self._name = name
+        self._tokens += committed
+        self._seconds += seconds
+        self._rounds += 1
+        if self._rounds < owner._min_rounds or self._seconds <= 0:
+            return None
+        observed = self._tokens / self._seconds
+        best = owner._best_other(name)
+        if best is None or owner._candidates[best].rate <= observed * (1 + owner._margin):
+            return None
+        estimate = owner._candidates[best].rate
+        owner._fold(name, observed, 1.0)  # measured on this prompt: it replaces the estimate
+        owner.current = best
+        self._name, self._tokens, self._seconds, self._rounds = best, 0, 0.0, 0
+        reason = (
+            f"in request: {name} runs at {observed:.1f} tok/s on this prompt, "
+            f"{best} is estimated at {estimate:.1f}"
+        )
+        return owner._selection(best, SourceSwitched(old=name, new=best, reason=reason), self)
+
+    def close(self) -> None:
+        """Fold the last stretch of the request into its candidate's estimate (once)."""
+        if self._closed:
             return
-        observed = (usage.generated_tokens - 1) / usage.decode_s
-        cand.rate = observed if cand.rate <= 0 else cand.rate + self._alpha * (observed - cand.rate)
+        self._closed = True
+        if self._rounds and self._seconds > 0 and self._tokens > 0:
+            self._owner._fold(self._name, self._tokens / self._seconds, self._owner._alpha)
 
 
 @attrs.frozen(kw_only=True)

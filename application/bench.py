@@ -6,6 +6,7 @@ the table and the plot).
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -20,7 +21,7 @@ from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector
 from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
-BENCH_SCHEMA = "mlx-dspark/bench/1"
+BENCH_SCHEMA = "mlx-dspark/bench/2"  # 2: per-class speedups and the sources each run ended on
 BASELINE = PLAIN
 
 
@@ -47,6 +48,7 @@ class BenchRun:
     mean_accepted: float
     generated_tokens: int
     token_ids: tuple[int, ...]
+    source: str = BASELINE  # the source that ran at the end of the request (auto may switch)
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +60,8 @@ class ModeSummary:
         lossless: every prompt's token ids equal the baseline's (None unless greedy with a baseline).
         mismatched: prompt ids whose output differs from the baseline's.
         per_class: median decode tok/s per prompt class.
+        per_class_speedup: per class, median decode tok/s ÷ the baseline's on the same class.
+        sources: how many runs ended on each draft source (auto's choices; one entry for a fixed mode).
     """
 
     mode: str
@@ -70,6 +74,8 @@ class ModeSummary:
     lossless: bool | None
     mismatched: tuple[str, ...]
     per_class: Mapping[str, float]
+    per_class_speedup: Mapping[str, float | None] = attrs.field(factory=dict)
+    sources: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -155,6 +161,7 @@ def run_bench(
                         mean_accepted=r.mean_accepted,
                         generated_tokens=r.generated_tokens,
                         token_ids=r.token_ids,
+                        source=r.source,
                     )
                 )
                 done += 1
@@ -180,6 +187,7 @@ def summarize(runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool) -
     by_mode = {m: [r for r in runs if r.mode == m] for m in order}
     base = by_mode.get(BASELINE, [])
     base_rate = _median([r.decode_tok_s for r in base])
+    base_class = {c: _median([r.decode_tok_s for r in base if r.cls == c]) for c in {r.cls for r in base}}
     reference = {r.prompt_id: r.token_ids for r in base if r.trial == 0}
     out = []
     for mode in order:
@@ -193,6 +201,7 @@ def summarize(runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool) -
             )
             lossless = not mismatched
         classes = sorted({r.cls for r in rs})
+        per_class = {c: _median([r.decode_tok_s for r in rs if r.cls == c]) for c in classes}
         out.append(
             ModeSummary(
                 mode=mode,
@@ -204,7 +213,11 @@ def summarize(runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool) -
                 speedup=(rate / base_rate) if base and base_rate > 0 else None,
                 lossless=lossless,
                 mismatched=mismatched,
-                per_class={c: _median([r.decode_tok_s for r in rs if r.cls == c]) for c in classes},
+                per_class=per_class,
+                per_class_speedup={
+                    c: (per_class[c] / base_class[c]) if base_class.get(c, 0.0) > 0 else None for c in classes
+                },
+                sources=dict(sorted(Counter(r.source for r in rs).items())),
             )
         )
     return tuple(out)
@@ -247,6 +260,8 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
                 "lossless": m.lossless,
                 "mismatched_prompts": list(m.mismatched),
                 "per_class_decode_tok_s": dict(m.per_class),
+                "per_class_speedup": dict(m.per_class_speedup),
+                "sources": dict(m.sources),
             }
             for m in report.modes
         ],
@@ -264,6 +279,7 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
                 "ttft_s": r.ttft_s,
                 "mean_accepted": r.mean_accepted,
                 "generated_tokens": r.generated_tokens,
+                "source": r.source,
             }
             for r in report.runs
         ]

@@ -3,24 +3,58 @@
 Plain decoding is this loop with no draft source (cap 0), so budget, stop and sampling rules are the
 same in every mode by construction. Its speed comes from the target: when the next round is known to be
 another plain step, the loop hands over that step's uniform (`ahead`) so the target can queue it before
-the host reads the current token. Uniforms are drawn in the same order either way.
+the host reads the current token. Uniforms are drawn in the same order either way. A selection may carry a
+SourceSwitcher (auto mode): after each round it may hand over to another source; the target verifies every
+round, so a switch never changes output.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 from mlx_dspark.application.prefill import prefill
 from mlx_dspark.domain.budget import plan_commit, round_cap
 from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftContext
-from mlx_dspark.domain.drafting.selection import PLAIN
+from mlx_dspark.domain.drafting.selection import PLAIN, Selection
 from mlx_dspark.domain.errors import ContextTooLong, InvalidRequest
 from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished, TokensCommitted, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
+
+
+def _policy(selection: Selection) -> CapPolicy:
+    if selection.source is None:
+        return FixedCap(0)
+    return selection.policy or FixedCap(selection.source.max_block)
+
+
+class _Features:
+    """Target features taken this request, so a feature-reading source that switches back in catches up.
+
+    `take_features` hands each row out once; while another feature reader runs, the rows it takes are
+    kept here (opaque handles, in order) and replayed to a returning source before its next draft.
+    """
+
+    def __init__(self, target: TargetModel, keep: bool) -> None:
+        self._target = target
+        self._keep = keep
+        self._chunks: list[tuple[int, Any]] = []  # (position the rows end at, features)
+        self._read: dict[int, int] = {}  # id(source) -> chunks it has seen
+
+    def for_round(self, source: DraftSource, position: int, history: Sequence[int], sampling: SamplingParams) -> Any:
+        if self._keep:
+            for end, rows in self._chunks[self._read.get(id(source), 0) :]:
+                ctx = DraftContext(anchor=history[end], position=end, history=history[: end + 1], features=rows)
+                source.propose(ctx, 0, sampling, ())  # cap 0: only takes the rows in
+        features = self._target.take_features()
+        if self._keep:
+            self._chunks.append((position, features))
+            self._read[id(source)] = len(self._chunks)
+        return features
 
 
 def decode(
@@ -32,6 +66,7 @@ def decode(
     *,
     source: DraftSource | None = None,
     cap_policy: CapPolicy | None = None,
+    selection: Selection | None = None,
     reuse_prefix: int = 0,
     context_window: int | None = None,
     halt: Callable[[], bool] | None = None,
@@ -48,6 +83,8 @@ def decode(
         clock: monotonic time source.
         source: the draft source, or None for plain decoding.
         cap_policy: how many drafts per round; defaults to the source's full block.
+        selection: instead of `source` and `cap_policy`: a selector's choice, whose `switcher` (if any) may
+            move the request to another source between rounds.
         reuse_prefix: leading prompt tokens whose rows are already in the target's cache.
         context_window: the target's context length, enforced before every round.
         halt: asked after each commit's events; True ends the request as STOP_SEQUENCE (the caller saw a
@@ -56,8 +93,8 @@ def decode(
         on_snapshot: called when the cache holds exactly a snapshot point's rows.
 
     Yields:
-        PrefillProgress (long prompts), TokensCommitted, RoundFinished and CapChanged events, then
-        exactly one Finished.
+        PrefillProgress (long prompts), TokensCommitted, RoundFinished, CapChanged and SourceSwitched
+        events, then exactly one Finished.
     """
     if not prompt:
         raise InvalidRequest(message="the prompt is empty", param="prompt")
@@ -68,12 +105,18 @@ def decode(
             requested=len(prompt),
         )
     rng = random.Random(sampling.seed)
-    if source is None:
-        policy: CapPolicy = FixedCap(0)
-    else:
-        policy = cap_policy or FixedCap(source.max_block)
-        source.begin(prompt)
-    wants_features = source is not None and source.uses_features
+    current = selection or Selection(
+        name=source.name if source is not None else PLAIN, source=source, policy=cap_policy
+    )
+    switcher = current.switcher
+    policy = _policy(current)
+    begun: set[int] = set()
+    if current.source is not None:
+        current.source.begin(prompt)
+        begun.add(id(current.source))
+    features = _Features(target, keep=switcher is not None)
+    # A switcher may move the request to a feature drafter later: capture from the start then.
+    wants_features = switcher is not None or (current.source is not None and current.source.uses_features)
     reuse = target.reset(keep=max(0, min(reuse_prefix, len(prompt) - 1)), capture=wants_features)
 
     start = clock.now()
@@ -105,28 +148,30 @@ def decode(
             mean_accepted=stats.mean_accepted,
             prefill_s=prefill_s,
             decode_s=clock.now() - decode_start,
-            source=source.name if source is not None else PLAIN,
+            source=current.name,
         )
 
     index = 0
     queued: float | None = None  # the uniform of a plain step the target may already have queued
+    round_start = decode_start
     while finish is None:
+        src = current.source
         depth = target.cached_tokens
         if context_window is not None and depth + 1 >= context_window:
             finish = FinishReason.CONTEXT
             break
-        requested = policy.cap(depth) if source is not None else 0
+        requested = policy.cap(depth) if src is not None else 0
         cap = round_cap(requested, stop.max_tokens - generated)
         if context_window is not None:
             cap = max(0, min(cap, context_window - depth - 2))
         anchor = history[-1]
         t0 = clock.now()
         block = EMPTY_BLOCK
-        if source is not None and cap > 0:
-            features = target.take_features() if source.uses_features else None
-            ctx = DraftContext(anchor=anchor, position=depth, history=history, features=features)
-            cap = min(cap, source.max_block)
-            block = source.propose(ctx, cap, sampling, [rng.random() for _ in range(cap)])
+        if src is not None and cap > 0:
+            feats = features.for_round(src, depth, history, sampling) if src.uses_features else None
+            ctx = DraftContext(anchor=anchor, position=depth, history=history, features=feats)
+            cap = min(cap, src.max_block)
+            block = src.propose(ctx, cap, sampling, [rng.random() for _ in range(cap)])
             block = block.truncated(cap)
         t1 = clock.now()
         if len(block):
@@ -135,7 +180,7 @@ def decode(
             uniforms = [queued if queued is not None else rng.random()]
         queued = None
         # Plain mode: the next round is another plain step unless this one ends the request.
-        if source is None and generated + 1 < stop.max_tokens and (
+        if src is None and generated + 1 < stop.max_tokens and (
             context_window is None or depth + 2 < context_window
         ):
             queued = rng.random()
@@ -162,7 +207,7 @@ def decode(
             verify_s=t2 - t1,
             depth=depth,
         )
-        if source is not None:
+        if src is not None:
             decision = policy.observe(len(block), verdict.accepted, t2 - t0, depth)
             if decision is not None:
                 yield CapChanged(old=decision.old, new=decision.new, reason=decision.reason)
@@ -170,4 +215,16 @@ def decode(
         finish = plan.finish
         if finish is None and halt is not None and halt():
             finish = FinishReason.STOP_SEQUENCE
+        if switcher is not None and finish is None:
+            # Wall time per round, the caller's share included: what the request really gets.
+            now = clock.now()
+            nxt = switcher.after_round(current.name, produced, now - round_start)
+            round_start = now
+            if nxt is not None and nxt.name != current.name:
+                current, policy = nxt, _policy(nxt)
+                if current.source is not None and id(current.source) not in begun:
+                    current.source.begin(prompt)
+                    begun.add(id(current.source))
+                if nxt.switched is not None:
+                    yield nxt.switched
     yield Finished(reason=finish, usage=usage())

@@ -202,8 +202,7 @@ class GenerationService:
             request.sampling,
             stop_rule,
             self._clock,
-            source=selection.source,
-            cap_policy=selection.policy,
+            selection=selection,
             reuse_prefix=reuse,
             context_window=self.model.context_window,
             halt=lambda: matched is not None,
@@ -288,7 +287,7 @@ class GenerationService:
                 decode_s=usage.decode_s,
                 mode=self.mode,
                 cap=max(caps, default=0),
-                source=selection.name,
+                source=usage.source,
                 cap_histogram=dict(sorted(caps.items())),
             )
         )

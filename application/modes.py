@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from mlx_dspark.application.auto_mode import measure_and_choose, measured_cap_factory
 from mlx_dspark.application.generation import GenerationService
-from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.ports import LoadedModel, ModelLoader
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import MODES, Settings
 from mlx_dspark.domain.drafting.selection import PLAIN
@@ -38,7 +38,7 @@ def parse_max_draft(value: str | int | None) -> int | None:
 
 
 def load_source(
-    services: Services, settings: Settings, model: LoadedModel, kind: str, *, only_own_kind: bool = False
+    loader: ModelLoader, settings: Settings, model: LoadedModel, kind: str, *, only_own_kind: bool = False
 ) -> DraftSource | None:
     """The draft source of one mode ("baseline" → None).
 
@@ -49,9 +49,9 @@ def load_source(
     if kind == PLAIN:
         return None
     spec = settings.model.drafter
-    if spec and only_own_kind and kind != "lookup" and services.loader.drafter_kind(spec) not in (None, kind):
+    if spec and only_own_kind and kind != "lookup" and loader.drafter_kind(spec) not in (None, kind):
         spec = None
-    return services.loader.load_drafter(kind, spec, model, bits=settings.model.drafter_bits)
+    return loader.load_drafter(kind, spec, model, bits=settings.model.drafter_bits)
 
 
 def build_generator(
@@ -93,7 +93,7 @@ def build_generator(
     cap = parse_max_draft(settings.model.max_draft)
     bits = settings.model.drafter_bits
     if mode == "auto":
-        candidates = auto_candidates(services, settings, model, say)
+        candidates = auto_candidates(services.loader, settings, model, say)
         choice = measure_and_choose(
             services.calibration,
             model,
@@ -111,7 +111,7 @@ def build_generator(
             telemetry=services.telemetry,
             prefix_cache=services.prefix_caches(model),
         )
-    source = load_source(services, settings, model, mode)
+    source = load_source(services.loader, settings, model, mode)
     if source is not None and cap == 0:
         source = None  # --max-draft 0 is plain decoding, whatever the mode
     factory = measured_cap_factory(
@@ -129,7 +129,7 @@ def build_generator(
 
 
 def auto_candidates(
-    services: Services,
+    loader: ModelLoader,
     settings: Settings,
     model: LoadedModel,
     say: Callable[[str], None],
@@ -143,11 +143,11 @@ def auto_candidates(
             given, a source that fails to load raises.
     """
     candidates: dict[str, DraftSource | None] = {PLAIN: None}
-    available = set(services.loader.available_drafters(model))
+    available = set(loader.available_drafters(model))
     wanted = [k for k in kinds if k != PLAIN] if kinds is not None else [k for k in SPECULATIVE_KINDS if k in available]
     for kind in wanted:
         try:
-            source = load_source(services, settings, model, kind, only_own_kind=True)
+            source = load_source(loader, settings, model, kind, only_own_kind=True)
         except DomainError as exc:
             if kinds is not None:
                 raise
@@ -158,7 +158,7 @@ def auto_candidates(
     return candidates
 
 
-def bench_modes(services: Services, model: LoadedModel, requested: Sequence[str] | None) -> tuple[list[str], bool]:
+def bench_modes(loader: ModelLoader, model: LoadedModel, requested: Sequence[str] | None) -> tuple[list[str], bool]:
     """The modes `mlx-dspark bench` runs: the requested ones (checked), else plain decoding, every available
     drafter and auto; plain decoding always first, since speedups are against it.
 
@@ -171,7 +171,7 @@ def bench_modes(services: Services, model: LoadedModel, requested: Sequence[str]
         if bad:
             raise InvalidRequest(message=f"unknown mode(s) {bad}; choose from {', '.join(MODES)}", param="modes")
     else:
-        available = set(services.loader.available_drafters(model))
+        available = set(loader.available_drafters(model))
         modes = [m for m in BENCH_MODES if m in {PLAIN, "auto"} or m in available]
     if PLAIN not in modes:
         modes.insert(0, PLAIN)
@@ -188,7 +188,7 @@ def bench_runners(
 ) -> dict[str, GenerationService]:
     """One GenerationService per bench mode on one loaded target (a mode that cannot load is skipped,
     unless it was asked for); `progress` and `fraction` as in `build_generator`."""
-    modes, explicit = bench_modes(services, model, requested)
+    modes, explicit = bench_modes(services.loader, model, requested)
     runners: dict[str, GenerationService] = {}
     for mode in modes:
         try:

@@ -145,7 +145,11 @@ class DraftSource(Protocol):
     def propose(
         self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
     ) -> DraftBlock:
-        """Up to `cap` drafts after ctx.anchor, with their q (None = one-hot)."""
+        """Up to `cap` drafts after ctx.anchor, with their q (None = one-hot).
+
+        With `cap` 0 a feature-reading source only takes ctx.features in (the decode loop replays rows it
+        missed while another source ran) and proposes nothing.
+        """
         ...
 
 

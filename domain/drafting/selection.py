@@ -1,8 +1,9 @@
 """Which draft source runs a request, and with which cap policy: one selector object per mode.
 
 A fixed mode always selects the same pair; `--mode auto` (application/auto_mode.py) chooses per request
-from observed throughput and reports a switch as a SourceSwitched event. Every source is verified by
-the target, so no choice changes the output.
+from observed throughput, and its selection carries a SourceSwitcher that the decode loop asks after every
+round, so a source that loses on this prompt gives way within the request. A switch is a SourceSwitched
+event. Every round is verified by the target, so no choice changes the output.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from mlx_dspark.domain.ports import DraftSource
 PLAIN = "baseline"  # the name of plain decoding (no draft source)
 
 
+class SourceSwitcher(Protocol):
+    """Asked by the decode loop after every round of a request (auto mode)."""
+
+    def after_round(self, name: str, committed: int, seconds: float) -> Selection | None:
+        """The round of source `name` committed `committed` tokens in `seconds` (wall time per round).
+
+        Returns:
+            The selection to run from the next round on (its `switched` is yielded), or None to stay.
+        """
+        ...
+
+
 @attrs.frozen(kw_only=True)
 class Selection:
     """What runs one request.
@@ -27,13 +40,15 @@ class Selection:
         name: the source's mode name ("dspark", "lookup", ...; PLAIN for plain decoding).
         source: the draft source, or None for plain decoding.
         policy: the cap policy for this request (None = the source's full block).
-        switched: set when the selector moved to this source for this request.
+        switched: set when the selector moved to this source (for this request, or from this round on).
+        switcher: asked after every round whether to move on (None = this source for the whole request).
     """
 
     name: str
     source: DraftSource | None
     policy: CapPolicy | None = None
     switched: SourceSwitched | None = None
+    switcher: SourceSwitcher | None = None
 
 
 class SourceSelector(Protocol):

@@ -8,12 +8,18 @@ from typing import Any
 from mlx_dspark.application.bench import BenchReport
 
 
+def _times(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
 def render_table(report: BenchReport) -> str:
-    """The terminal table: one row per mode."""
-    head = ("mode", "decode tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", "lossless")
+    """The terminal table: one row per mode, its speedup per prompt class, and what auto ran."""
+    classes = sorted({p.cls for p in report.prompt_set.prompts})
+    head = ("mode", "decode tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", *classes, "lossless", "ran")
     rows = [head]
     for m in report.modes:
         lossless = "n/a" if m.lossless is None else ("yes" if m.lossless else f"NO ({len(m.mismatched)})")
+        ran = ", ".join(f"{name} {n}" for name, n in m.sources.items()) if set(m.sources) != {m.mode} else ""
         rows.append(
             (
                 m.mode,
@@ -21,8 +27,10 @@ def render_table(report: BenchReport) -> str:
                 f"{m.e2e_tok_s:.2f}",
                 f"{m.ttft_s * 1e3:.0f}",
                 f"{m.mean_accepted:.2f}",
-                "n/a" if m.speedup is None else f"{m.speedup:.2f}x",
+                _times(m.speedup),
+                *(_times(m.per_class_speedup.get(c)) for c in classes),
                 lossless,
+                ran,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -31,7 +39,7 @@ def render_table(report: BenchReport) -> str:
     title = (
         f"{report.model}: {len(report.prompt_set.prompts)} prompts ({report.prompt_set.name} "
         f"{report.prompt_set.version}) × {report.trials} trials, {report.max_tokens} tokens, "
-        f"temperature {report.temperature:g}; medians"
+        f"temperature {report.temperature:g}; medians; per-class columns are speedups on that class"
     )
     return title + "\n" + "\n".join(lines) + "\n"
 

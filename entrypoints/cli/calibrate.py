@@ -39,7 +39,7 @@ def main(argv: Sequence[str]) -> int:
 
         settings, services, model = start_with_model(args, bar.note)
         kinds = [k.strip() for k in args.modes.split(",") if k.strip()] if args.modes else None
-        candidates = auto_candidates(services, settings, model, bar.warn, kinds=kinds)
+        candidates = auto_candidates(services.loader, settings, model, bar.warn, kinds=kinds)
         choice = measure_and_choose(
             services.calibration,
             model,

@@ -9,6 +9,7 @@ import json
 import attrs
 import pytest
 
+from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
 from mlx_dspark.application.bench import BENCH_SCHEMA, report_json, run_bench
 from mlx_dspark.application.data import builtin_prompts, load_prompts
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
@@ -64,7 +65,7 @@ def test_bench_json_schema() -> None:
     assert [m["mode"] for m in doc["modes"]] == ["baseline", "dspark"]  # baseline measured first
     keys = {
         "mode", "runs", "decode_tok_s", "e2e_tok_s", "ttft_s", "mean_accepted", "speedup", "lossless",
-        "mismatched_prompts", "per_class_decode_tok_s",
+        "mismatched_prompts", "per_class_decode_tok_s", "per_class_speedup", "sources",
     }  # fmt: skip
     for m in doc["modes"]:
         assert set(m) == keys
@@ -138,3 +139,35 @@ def test_plot_writes_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench.png"
     plot_report(report, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_runs_auto_beside_fixed_modes_per_class() -> None:
+    clock = ManualClock(tick=1e-6)
+    target = TimedTarget(clock, flat(0.05))
+    model = loaded(target)
+    sink = RecordingTelemetrySink()
+    good = TimedSource(target, lambda cap: 0.001, right=lambda r, i: i < 3, block=5, name="dspark")
+    slow = TimedSource(target, lambda cap: 0.5, block=5, name="slow")  # the race liked it; it loses here
+    policies = {n: cap_policy_factory(5, None, 5) for n in ("dspark", "slow")}
+    auto = AutoSelector(
+        {"dspark": good, "slow": slow, "baseline": None}, policies, {"slow": 100.0, "dspark": 50.0, "baseline": 15.0}
+    )
+    runners = {
+        "baseline": GenerationService(model, clock=clock, telemetry=sink),
+        "dspark": GenerationService(model, source=good, mode="dspark", clock=clock, telemetry=sink),
+        "auto": GenerationService(model, selector=auto, clock=clock, telemetry=sink),
+    }
+    chat, code = (load_prompts(c) for c in ("chat", "code"))
+    prompts = type(chat)(name=chat.name, version=chat.version, prompts=chat.prompts[:2] + code.prompts[:2])
+    report = run_bench(runners, prompts, trials=1, max_tokens=48)
+    by = {m.mode: m for m in report.modes}
+    assert by["auto"].lossless and by["dspark"].lossless
+    assert set(by["auto"].per_class_speedup) == {"chat", "code"}
+    assert all(s is not None and s > 1 for s in by["auto"].per_class_speedup.values())
+    assert by["dspark"].sources == {"dspark": 4} and by["auto"].sources == {"dspark": 4}
+    doc = report_json(report)
+    auto_doc = next(m for m in doc["modes"] if m["mode"] == "auto")
+    assert set(auto_doc["per_class_speedup"]) == {"chat", "code"} and auto_doc["sources"] == {"dspark": 4}
+    assert {r["source"] for r in doc["runs"] if r["mode"] == "auto"} == {"dspark"}
+    table = render_table(report)
+    assert "chat" in table.splitlines()[1] and "code" in table.splitlines()[1]

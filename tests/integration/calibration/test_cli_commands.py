@@ -1,0 +1,71 @@
+"""`mlx-dspark bench` and `calibrate` on fakes: the commands parse, call the application's mode selection
+and render; auto runs beside the fixed modes and the table has a column per prompt class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlx_dspark.application import bootstrap
+from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.settings import load_settings
+from mlx_dspark.domain.ports import DraftSource
+from mlx_dspark.entrypoints.cli import bench, calibrate
+from tests.fakes.clock import RecordingTelemetrySink
+from tests.integration.calibration.timed_fakes import ManualClock, MemoryStore, TimedSource, TimedTarget, flat, loaded
+
+
+class FakeLoader:
+    """One timed target; "lookup" drafts right and cheaply, "dspark" drafts right but slowly."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock(tick=1e-6)
+        self.target = TimedTarget(self.clock, flat(0.05))
+
+    def load_target(self, name: str) -> LoadedModel:
+        return loaded(self.target)
+
+    def load_drafter(self, kind: str, spec: str | None, model: LoadedModel, *, bits: int | None) -> DraftSource:
+        cost = 0.001 if kind == "lookup" else 0.4
+        return TimedSource(self.target, lambda cap: cost, block=4, name=kind)
+
+    def available_drafters(self, model: LoadedModel) -> list[str]:
+        return ["lookup", "dspark"]
+
+
+@pytest.fixture
+def fake_start(monkeypatch: pytest.MonkeyPatch) -> Any:
+    loader = FakeLoader()
+    settings = load_settings({"model": "fake"}, {})
+    services = bootstrap.build(
+        settings, loader=loader, clock=loader.clock, telemetry=RecordingTelemetrySink(), calibration=MemoryStore()
+    )
+
+    def start(args: Any, *_: Any) -> tuple[Any, Any, LoadedModel]:
+        return settings, services, loader.load_target("fake")
+
+    monkeypatch.setattr(bench, "start_with_model", start)
+    monkeypatch.setattr(calibrate, "start_with_model", start)
+    return services
+
+
+def test_bench_runs_auto_beside_the_fixed_modes(fake_start: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench.main(["--modes", "lookup,auto", "--prompts", "chat,code", "--trials", "1", "--max-tokens", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    header = lines[1].split()
+    assert header[:1] == ["mode"] and "chat" in header and "code" in header and "ran" in header
+    rows = {line.split()[0]: line for line in lines[3:] if line.strip()}
+    assert set(rows) == {"baseline", "lookup", "auto"}  # the baseline always runs, first
+    assert "yes" in rows["auto"] and "yes" in rows["lookup"]
+
+
+def test_calibrate_races_the_sources_auto_would(fake_start: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = calibrate.main(["--race-tokens", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    raced = {line.split()[0] for line in out.splitlines() if " race " in line}
+    assert raced == {"baseline", "lookup", "dspark"}
+    assert out.rstrip().endswith("auto mode picks: lookup")
