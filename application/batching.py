@@ -24,7 +24,7 @@ import structlog
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.drafting.selection import FixedSelector
-from mlx_dspark.domain.ports import RollbackKind, TargetModel
+from mlx_dspark.domain.ports import CacheState, RollbackKind, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
@@ -87,6 +87,7 @@ class RowTarget:
         self.vocab_size = vocab_size
         self.solo = solo
         self._ids: list[int] = []
+        self._pending: list[int] = []  # prompt pieces extended before the final prefill call
         self._anchor: int | None = None
 
     def to_batched(self) -> None:
@@ -110,10 +111,10 @@ class RowTarget:
     def _solo(self, run: Callable[[], Any]) -> Any:
         return self._lane.call(_Call("solo", [], _GREEDY, 0.0, run))
 
-    def reset(self, keep: int = 0) -> int:
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
         solo = self.solo
         if solo is not None:
-            kept: int = self._solo(lambda: solo.reset(keep))
+            kept: int = self._solo(lambda: solo.reset(keep, capture=capture))
             return kept
         if self._ids:
             raise RuntimeError("a batched row decodes one request")
@@ -124,11 +125,46 @@ class RowTarget:
         if solo is not None:
             first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform))
             return first
-        token: int = self._lane.call(_Call("prefill", list(tokens), sampling, uniform))
-        self._ids.extend(tokens)
+        whole, self._pending = [*self._pending, *tokens], []
+        token: int = self._lane.call(_Call("prefill", whole, sampling, uniform))
+        self._ids.extend(whole)
         return token
 
-    def verify(self, anchor: int, block: DraftBlock, sampling: SamplingParams, uniforms: Sequence[float]) -> Acceptance:
+    def extend(self, tokens: Sequence[int]) -> None:
+        solo = self.solo
+        if solo is not None:
+            self._solo(lambda: solo.extend(tokens))
+            return
+        self._pending.extend(tokens)  # a batched row prefills its whole prompt in one call
+
+    @property
+    def state_tag(self) -> str:
+        return self.solo.state_tag if self.solo is not None else "batched-row"
+
+    def save_state(self) -> CacheState:
+        solo = self.solo
+        if solo is None:
+            raise RuntimeError("a batched row keeps no saved states")
+        state: CacheState = self._solo(solo.save_state)
+        return state
+
+    def load_state(self, state: CacheState, keep: int) -> int:
+        solo = self.solo
+        if solo is None:
+            return 0  # nothing restored: the caller prefills from scratch
+        kept: int = self._solo(lambda: solo.load_state(state, keep))
+        return kept
+
+    def verify(
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
+    ) -> Acceptance:
+        del ahead  # no step is queued ahead: the row may move into the batch between two steps
         if len(block):
             raise RuntimeError("batched rows decode plainly (no drafts)")
         if self._anchor is not None:
