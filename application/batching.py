@@ -24,7 +24,7 @@ import structlog
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.drafting.selection import FixedSelector
-from mlx_dspark.domain.ports import CacheState, RollbackKind, TargetModel
+from mlx_dspark.domain.ports import RollbackKind, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
@@ -87,7 +87,6 @@ class RowTarget:
         self.vocab_size = vocab_size
         self.solo = solo
         self._ids: list[int] = []
-        self._pending: list[int] = []  # prompt pieces extended before the final prefill call
         self._anchor: int | None = None
 
     def to_batched(self) -> None:
@@ -125,35 +124,9 @@ class RowTarget:
         if solo is not None:
             first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform))
             return first
-        whole, self._pending = [*self._pending, *tokens], []
-        token: int = self._lane.call(_Call("prefill", whole, sampling, uniform))
-        self._ids.extend(whole)
+        token: int = self._lane.call(_Call("prefill", list(tokens), sampling, uniform))
+        self._ids.extend(tokens)
         return token
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        solo = self.solo
-        if solo is not None:
-            self._solo(lambda: solo.extend(tokens))
-            return
-        self._pending.extend(tokens)  # a batched row prefills its whole prompt in one call
-
-    @property
-    def state_tag(self) -> str:
-        return self.solo.state_tag if self.solo is not None else "batched-row"
-
-    def save_state(self) -> CacheState:
-        solo = self.solo
-        if solo is None:
-            raise RuntimeError("a batched row keeps no saved states")
-        state: CacheState = self._solo(solo.save_state)
-        return state
-
-    def load_state(self, state: CacheState, keep: int) -> int:
-        solo = self.solo
-        if solo is None:
-            return 0  # nothing restored: the caller prefills from scratch
-        kept: int = self._solo(lambda: solo.load_state(state, keep))
-        return kept
 
     def verify(
         self,
@@ -164,7 +137,6 @@ class RowTarget:
         *,
         ahead: float | None = None,
     ) -> Acceptance:
-        del ahead  # no step is queued ahead: the row may move into the batch between two steps
         if len(block):
             raise RuntimeError("batched rows decode plainly (no drafts)")
         if self._anchor is not None:
@@ -172,7 +144,11 @@ class RowTarget:
         solo = self.solo
         if solo is not None:
             call = _Call(
-                "solo-verify", [anchor], sampling, uniforms[0], lambda: solo.verify(anchor, block, sampling, uniforms)
+                "solo-verify",
+                [anchor],
+                sampling,
+                uniforms[0],
+                lambda: solo.verify(anchor, block, sampling, uniforms, ahead=ahead),
             )
         else:
             call = _Call("step", [anchor], sampling, uniforms[0])
@@ -198,6 +174,31 @@ class RowTarget:
 
     def take_features(self) -> None:
         return None
+
+    # Prefix-cache hooks: a solo row is the serial target; a batched row has no state to save (yet).
+
+    @property
+    def state_tag(self) -> str:
+        return self.solo.state_tag if self.solo is not None else "batched-row"
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        solo = self.solo
+        if solo is None:
+            raise RuntimeError("a batched row cannot extend its cache")
+        self._solo(lambda: solo.extend(tokens))
+
+    def save_state(self) -> Any:
+        solo = self.solo
+        if solo is None:
+            raise RuntimeError("a batched row has no state to save")
+        return self._solo(solo.save_state)
+
+    def load_state(self, state: Any, keep: int) -> int:
+        solo = self.solo
+        if solo is None:
+            raise RuntimeError("a batched row cannot load a state")
+        loaded: int = self._solo(lambda: solo.load_state(state, keep))
+        return loaded
 
 
 class Lane:

@@ -311,6 +311,7 @@ class EngineThread:
             return
         if written:
             _log.info("prefix_cache.flushed", entries=written)
+
     def _make_batcher(self, generator: GenerationService) -> BatchScheduler | None:
         if self._max_batch < 2 or self._batch_backend is None or not batchable(generator):
             return None

@@ -18,12 +18,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_dspark.adapters.mlx import caches as cache_ops
-from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
+from mlx_dspark.adapters.mlx.acceptance import pick_token
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.ports import TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
-
-_NO_DRAFTS = mx.array([], dtype=mx.int32)
 
 
 class _Row:
@@ -97,15 +95,8 @@ class BatchedPlainTarget:
             for j, i in enumerate(greedy):
                 picks[i] = best[j]
         for i, r in enumerate(self._order):
-            if i not in picks:  # the serial verify's draw for an empty block, so the same uniform picks the same token
-                verdict = accept_block(
-                    logits[i : i + 1],
-                    _NO_DRAFTS,
-                    as_q_rows(None, 0),
-                    mx.array([uniforms[r]], dtype=mx.float32),
-                    sampling[r],
-                )
-                picks[i] = verdict[1]
+            if i not in picks:  # the serial plain step's draw, so the same uniform picks the same token
+                picks[i] = pick_token(logits[i], sampling[r], uniforms[r])
         out = mx.stack([picks[i].astype(mx.int32) for i in range(len(self._order))])
         mx.eval(out, cache_ops.cache_arrays(self._batch))
         values = cast(list[int], out.tolist())
@@ -132,7 +123,9 @@ class BatchedPlainTarget:
             raise RuntimeError("no serial target to adopt from")
         if row in self._rows:
             raise ValueError(f"row {row} is already open")
-        # Its caches are plain KV (checked by batch_backend) and no verify is pending between two rounds.
+        # Its caches are plain KV (checked by batch_backend) and no verify is pending between two rounds; a
+        # pipelined plain step queued ahead holds one row too many, so it is undone first.
+        self._serial._drop_ahead()
         self._rows[row] = r = _Row(list(self._serial._caches))
         self._join(row, r)
 
