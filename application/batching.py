@@ -87,6 +87,7 @@ class RowTarget:
         self.vocab_size = vocab_size
         self.solo = solo
         self._ids: list[int] = []
+        self._pending: list[int] = []  # prompt pieces extended before the final prefill call
         self._anchor: int | None = None
 
     def to_batched(self) -> None:
@@ -124,8 +125,9 @@ class RowTarget:
         if solo is not None:
             first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform))
             return first
-        token: int = self._lane.call(_Call("prefill", list(tokens), sampling, uniform))
-        self._ids.extend(tokens)
+        whole, self._pending = [*self._pending, *tokens], []
+        token: int = self._lane.call(_Call("prefill", whole, sampling, uniform))
+        self._ids.extend(whole)
         return token
 
     def verify(
@@ -183,8 +185,9 @@ class RowTarget:
 
     def extend(self, tokens: Sequence[int]) -> None:
         solo = self.solo
-        if solo is None:
-            raise RuntimeError("a batched row cannot extend its cache")
+        if solo is None:  # a batched row prefills its whole prompt, chunk by chunk, in the prefill call
+            self._pending.extend(tokens)
+            return
         self._solo(lambda: solo.extend(tokens))
 
     def save_state(self) -> Any:
