@@ -270,3 +270,17 @@ def test_max_batch_is_a_setting_and_a_serve_flag() -> None:
     assert parser().parse_args(["--max-batch", "2"]).max_batch == 2
     with pytest.raises(InvalidRequest):
         load_settings({"max_batch": 0}, {})
+
+
+def test_prompts_split_by_prefill_progress_still_equal_solo_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Progress every 5 tokens: the decode loop hands batched rows their prompts in pieces (extend, then prefill).
+    from mlx_dspark.application import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "PROGRESS_EVERY", 5)
+    reqs = requests(4, sampled=False, seed=11)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(service("llama"), jobs, max_batch=8, join_every=2)
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        assert job.tokens() == solo("llama", req)[0]
+    assert scheduler.widest > 1
