@@ -387,6 +387,6 @@ def test_drafter_flag_applies_only_to_its_own_kind(tmp_path: Path, qwen3_target:
     services = SimpleNamespace(loader=Loader())
     settings = SimpleNamespace(model=SimpleNamespace(drafter=dspark_dir, drafter_bits=None))
     for kind in ("dflash", "dspark", "lookup"):
-        load_source(services, settings, None, kind, only_own_kind=True)  # type: ignore[arg-type]
-    load_source(services, settings, None, "dflash")  # type: ignore[arg-type]
+        load_source(services.loader, settings, None, kind, only_own_kind=True)  # type: ignore[arg-type]
+    load_source(services.loader, settings, None, "dflash")  # type: ignore[arg-type]
     assert asked == [("dflash", None), ("dspark", dspark_dir), ("lookup", dspark_dir), ("dflash", dspark_dir)]
