@@ -181,7 +181,7 @@ class RowTarget:
 
     @property
     def state_tag(self) -> str:
-        return self.solo.state_tag if self.solo is not None else "batched-row"
+        return self.solo.state_tag if self.solo is not None else ""  # "": no states while batched
 
     def extend(self, tokens: Sequence[int]) -> None:
         solo = self.solo

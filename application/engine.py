@@ -41,8 +41,9 @@ _WAKE = object()  # puts the idle engine thread to work on the quick lane
 class EngineJob(Generic[T]):
     """One submitted job as seen from the event loop: iterate it, or cancel it."""
 
-    def __init__(self, work: Work[T], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, work: Work[T], loop: asyncio.AbstractEventLoop, *, exclusive: bool = False) -> None:
         self.work = work
+        self.exclusive = exclusive  # runs alone on the engine's own service, never in a batch lane
         self._loop = loop
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -125,6 +126,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._ready = threading.Event()
         self._generator: GenerationService | None = None
+        self._held: EngineJob[Any] | None = None  # an exclusive job waiting for the batch to drain
         self.load_error: BaseException | None = None
         self._stopping = False
 
@@ -193,12 +195,20 @@ class EngineThread:
             _log.info("engine.switched", model=new.model.name, mode=new.mode)
             yield new
 
-        return self.submit(work, loop)
+        return self.submit(work, loop, exclusive=True)
 
     def submit(
-        self, work: Work[T], loop: asyncio.AbstractEventLoop | None = None, *, quick: bool = False
+        self,
+        work: Work[T],
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        quick: bool = False,
+        exclusive: bool = False,
     ) -> EngineJob[T]:
         """Queue `work` for the engine thread; `quick` work (short, no decoding) runs between two items.
+
+        `exclusive` work (a model switch, a race, a timing, another mode's generation) waits until the
+        batched rows before it have finished and then runs alone on the engine's service.
 
         Raises:
             EngineDown: the engine is not running.
@@ -206,7 +216,7 @@ class EngineThread:
         """
         if not self.alive or self._stopping:
             raise EngineDown(message=self._down_message())
-        job: EngineJob[T] = EngineJob(work, loop or asyncio.get_running_loop())
+        job: EngineJob[T] = EngineJob(work, loop or asyncio.get_running_loop(), exclusive=exclusive)
         with self._lock:
             if self._waiting >= self._max_queue:
                 raise Overloaded(
@@ -247,7 +257,8 @@ class EngineThread:
                 max_batch=self._max_batch if self._batcher is not None else 1,
             )
             while True:
-                job = self._jobs.get()
+                job = self._held if self._held is not None else self._jobs.get()
+                self._held = None
                 if job is None:
                     self._flush_prefix_cache(self._generator)
                     return
@@ -256,10 +267,13 @@ class EngineThread:
                     if self._stopping:  # queued before stop(): answered, not run
                         job._push(_ERROR, EngineDown(message=self._down_message()))
                         continue
-                    if self._batcher is not None:
+                    if self._batcher is not None and not job.exclusive:
                         self._batcher.run(job, self._take, lambda: self._stopping, self._quick_between)
                     else:
-                        self._run(job, self._generator)
+                        served = self._generator
+                        self._run(job, served)
+                        if self._generator is not served:  # a switch: batch the new service's target
+                            self._batcher = self._make_batcher(self._generator)
                 self._run_quick(self._generator)
         finally:
             self._drain()
@@ -328,8 +342,11 @@ class EngineThread:
             self._run_quick(self._generator)
 
     def _take(self) -> EngineJob[Any] | None:
-        """A queued job for the batch, or None when none waits (the stop marker stays queued)."""
-        while True:
+        """A queued job for the batch, or None when none waits (the stop marker stays queued).
+
+        An exclusive job is held back (and nothing after it is taken) until the batch drains.
+        """
+        while self._held is None:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
@@ -339,15 +356,22 @@ class EngineThread:
                 return None
             if job is _WAKE:  # quick jobs are served between ticks
                 continue
+            if job.exclusive:  # still counted as waiting until it runs
+                self._held = job
+                return None
             self._taken()
             if self._stopping:
                 job._push(_ERROR, EngineDown(message=self._down_message()))
                 continue
             result: EngineJob[Any] = job
             return result
+        return None
 
     def _drain(self) -> None:
         """Answer every queued job once the thread is ending, so no caller waits forever."""
+        if self._held is not None:
+            self._held._push(_ERROR, EngineDown(message=self._down_message()))
+            self._held = None
         for lane in (self._jobs, self._quick):
             while True:
                 try:

@@ -141,12 +141,14 @@ class GenerationService:
         return self.selector.mode
 
     def on_target(self, target: TargetModel) -> GenerationService:
-        """The same service over another target (a batched row), sharing selector, clock and telemetry."""
+        """The same service over another target (a batched row), sharing selector, clock, telemetry and
+        prefix cache (a target that cannot save states, `state_tag` "", reuses only its live rows)."""
         return GenerationService(
             attrs.evolve(self.model, target=target),
             clock=self._clock,
             telemetry=self._telemetry,
             selector=self.selector,
+            prefix_cache=self.prefix_cache,
         )
 
     def encode_prompt(self, request: GenerationRequest) -> list[int]:

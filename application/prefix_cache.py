@@ -70,10 +70,10 @@ class PrefixCache:
         """Put the longest usable cached prefix of `ids` into `target` (at most len(ids) - 1 rows)."""
         limit = len(ids) - 1
         live = min(common_prefix(target.cached_ids, ids), limit)
-        if not self.enabled or limit < 1:
+        tag = target.state_tag
+        if not self.enabled or limit < 1 or not tag:
             kept = target.reset(live)
             return Reuse(rows=kept, source="live" if kept else "none")
-        tag = target.state_tag
         memory = self._memory_index(tag).lookup(ids, limit)
         disk = self._disk_index(tag).lookup(ids, limit) if self._store is not None else None
         on_disk = disk.length if disk is not None else 0
@@ -102,7 +102,7 @@ class PrefixCache:
 
     def remember(self, target: TargetModel) -> bool:
         """Save the target's cached rows as an entry; returns whether it was admitted."""
-        if not self.enabled or target.cached_tokens == 0:
+        if not self.enabled or target.cached_tokens == 0 or not target.state_tag:
             return False
         state = target.save_state()
         tokens = tuple(target.cached_ids)

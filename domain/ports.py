@@ -85,7 +85,10 @@ class TargetModel(Protocol):
 
     @property
     def state_tag(self) -> str:
-        """Saved states load only into a target with the same tag (it covers the capture layers)."""
+        """Saved states load only into a target with the same tag (it covers the capture layers).
+
+        "" means this target cannot save or load states now (a row inside a batch): it reuses only live rows.
+        """
         ...
 
     def save_state(self) -> CacheState:

@@ -1,7 +1,7 @@
 """One GenerationService per decoding mode over the engine's loaded model, built on demand on the engine thread.
 
 The chat page's mode selector and the race use these; they share the engine's model (and its KV cache),
-so they never run at the same time — the engine thread runs one job at a time.
+so their jobs are exclusive: they run alone on the engine's own service, never in a batching lane.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from mlx_dspark.domain.errors import Overloaded
 
 
 def _engine(max_queue: int = 2) -> EngineThread:
-    loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline")  # what the engine reads
+    loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline", prefix_cache=None)  # what the engine reads
     engine = EngineThread(lambda: loaded, max_queue=max_queue)  # type: ignore[arg-type, return-value]
     engine.start()
     assert engine.wait_ready(5)

@@ -369,8 +369,10 @@ async def chat(request: Request[Any, Any, Any], session_id: str) -> Stream:
     options = TurnOptions.from_json(body.get("options") or {})
     sessions = d.sessions
     creq = await asyncio.to_thread(sessions.begin_turn, session_id, str(body.get("content") or ""), options)
-    job = ctx.engine.submit(lambda g: sessions.run_turn(g, creq, options.mode))
+    served = ctx.engine.generator.mode if ctx.engine.ready else None
     mode = sessions.mode_of(ctx.engine.generator, options.mode) if ctx.engine.ready else options.mode
+    # Another mode than the served one runs alone (batched rows decode plainly with the served mode).
+    job = ctx.engine.submit(lambda g: sessions.run_turn(g, creq, options.mode), exclusive=mode != served)
     started = time.perf_counter()
     reply: dict[str, Any] = {"text": [], "thinking": [], "usage": {}, "finish": ""}
 
@@ -422,7 +424,8 @@ async def run_race(request: Request[Any, Any, Any]) -> Stream:
     lanes = [str(m) for m in body.get("modes") or []]
     max_tokens = int(body.get("max_tokens") or 64)
     modes = d.modes
-    job = ctx.engine.submit(lambda g: race.race(modes, g, prompt, lanes, max_tokens=max_tokens))
+    # Exclusive: the lanes' timings must not share the machine with batched rows.
+    job = ctx.engine.submit(lambda g: race.race(modes, g, prompt, lanes, max_tokens=max_tokens), exclusive=True)
     return job_stream(job, lambda ev: [race.as_json(ev)])
 
 
@@ -435,7 +438,8 @@ async def run_roofline(request: Request[Any, Any, Any]) -> Stream:
     modes, probe = d.modes, d.probe
     job = ctx.engine.submit(
         lambda g: roofline.measure(modes, g, probe, lanes, max_tokens=int(body.get("max_tokens") or 48),
-                                   bandwidth_bytes=size)
+                                   bandwidth_bytes=size),
+        exclusive=True,
     )  # fmt: skip
     return job_stream(job, lambda ev: [ev])
 

@@ -284,3 +284,95 @@ def test_prompts_split_by_prefill_progress_still_equal_solo_in_a_batch(monkeypat
         assert job.ended == "end", job.error
         assert job.tokens() == solo("llama", req)[0]
     assert scheduler.widest > 1
+
+
+def cached_service(family: str = "llama") -> GenerationService:
+    from mlx_dspark.application.prefix_cache import PrefixCache
+
+    gen = service(family)
+    return GenerationService(gen.model, clock=FakeClock(), telemetry=RecordingTelemetrySink(), prefix_cache=PrefixCache(1 << 26))
+
+
+def test_lanes_keep_the_prefix_cache_and_a_side_request_does_not_evict_the_conversation() -> None:
+    gen = cached_service()
+    turn1 = GenerationRequest(prompt=tuple(range(10, 40)), max_tokens=6)
+    first = Job(turn1)
+    run_batched(gen, [first], max_batch=8, join_every=1)
+    side = Job(GenerationRequest(prompt=(50, 51, 52), max_tokens=3))  # a title request between two turns
+    run_batched(gen, [side], max_batch=8, join_every=1)
+    turn2 = GenerationRequest(prompt=turn1.prompt + first.tokens() + (60, 61), max_tokens=6)
+    second = Job(turn2)
+    run_batched(gen, [second], max_batch=8, join_every=1)
+    assert second.result().cached_prompt_tokens >= len(turn1.prompt)  # from the cache, not the live rows
+    assert second.tokens() == solo("llama", turn2)[0]
+
+
+def test_batched_rows_with_a_prefix_cache_still_equal_solo_decoding() -> None:
+    reqs = requests(4, sampled=True, seed=21)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(cached_service(), jobs, max_batch=8, join_every=2)
+    assert scheduler.widest > 1
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        assert job.tokens() == solo("llama", req)[0]
+
+
+def test_an_exclusive_job_waits_for_the_batch_and_runs_alone_on_the_engines_service() -> None:
+    reqs = requests(3, sampled=False, seed=13)
+    engine = EngineThread(lambda: service("llama"), max_batch=4, batch_backend=batch_backend)
+    engine.start()
+    assert engine.wait_ready(30)
+    log: list[Any] = []
+
+    def plain(i: int) -> Any:
+        def work(g: GenerationService) -> Any:
+            yield from g.stream(reqs[i])
+            log.append(f"plain{i}")
+
+        return work
+
+    def exclusive(g: GenerationService) -> Any:
+        assert engine._batcher is not None
+        log.append(("exclusive", g is engine.generator, engine._batcher.active))
+        yield g.generate(reqs[0]).token_ids
+
+    async def collect(job: Any) -> list[Any]:
+        return [i async for i in job]
+
+    async def main() -> tuple[list[list[Any]], list[Any], list[Any]]:
+        first = [engine.submit(plain(i)) for i in range(3)]
+        alone = engine.submit(exclusive, exclusive=True)
+        after = engine.submit(plain(1))
+        outs = await asyncio.gather(*(collect(j) for j in first))
+        return outs, await collect(alone), await collect(after)
+
+    try:
+        outs, alone, after = asyncio.run(main())
+    finally:
+        engine.stop(timeout=10)
+    # The rows queued before it finished first; it ran on the engine's own service with no row running.
+    assert sorted(log[:3]) == ["plain0", "plain1", "plain2"]
+    assert log[3:] == [("exclusive", True, 0), "plain1"]
+    assert alone == [solo("llama", reqs[0])[0]]
+    tokens = [tuple(t for i in out if isinstance(i, TextChunk) for t in i.token_ids) for out in outs]
+    assert tokens == [solo("llama", r)[0] for r in reqs]
+    assert tuple(t for i in after if isinstance(i, TextChunk) for t in i.token_ids) == solo("llama", reqs[1])[0]
+
+
+def test_a_switch_through_a_batching_engine_serves_the_new_service_in_the_batch() -> None:
+    engine = EngineThread(lambda: service("llama"), max_batch=4, batch_backend=batch_backend)
+    engine.start()
+    assert engine.wait_ready(30)
+    replacement = service("qwen3")
+    req = requests(1, sampled=False, seed=17)[0]
+
+    async def main() -> list[Any]:
+        await engine.switch(lambda _current: replacement).next()
+        return [i async for i in engine.submit(lambda g: g.stream(req))]
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        engine.stop(timeout=10)
+    assert engine.generator is replacement
+    assert tuple(t for i in out if isinstance(i, TextChunk) for t in i.token_ids) == solo("qwen3", req)[0]
