@@ -15,7 +15,8 @@ from mlx_dspark.domain.errors import Overloaded
 
 
 def _engine(max_queue: int = 2) -> EngineThread:
-    loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline", prefix_cache=None)  # what the engine reads
+    # What the engine reads of its service.
+    loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline", prefix_cache=None)
     engine = EngineThread(lambda: loaded, max_queue=max_queue)  # type: ignore[arg-type, return-value]
     engine.start()
     assert engine.wait_ready(5)

@@ -290,7 +290,8 @@ def cached_service(family: str = "llama") -> GenerationService:
     from mlx_dspark.application.prefix_cache import PrefixCache
 
     gen = service(family)
-    return GenerationService(gen.model, clock=FakeClock(), telemetry=RecordingTelemetrySink(), prefix_cache=PrefixCache(1 << 26))
+    cache = PrefixCache(1 << 26)
+    return GenerationService(gen.model, clock=FakeClock(), telemetry=RecordingTelemetrySink(), prefix_cache=cache)
 
 
 def test_lanes_keep_the_prefix_cache_and_a_side_request_does_not_evict_the_conversation() -> None:
