@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_dspark.application.decode_loop import decode
-from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
+from mlx_dspark.domain.events import Finished
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
+from tests.decoding import collect
 from tests.fakes.clock import FakeClock
 from tests.fakes.drafts import RandomDraftSource, ScriptedDraftSource
 from tests.fakes.oracle import OracleTarget
@@ -19,18 +20,13 @@ GREEDY = SamplingParams()
 
 
 def run(target, prompt, stop, source=None, sampling=GREEDY, **kw):
-    tokens, rounds, finished = [], [], None
-    for ev in decode(target, prompt, sampling, stop, FakeClock(), source=source, **kw):
-        if isinstance(ev, TokensCommitted):
-            tokens.extend(ev.tokens)
-            # After every commit the cache holds exactly what plain decoding would hold.
-            assert target.rows == [*prompt, *tokens][:-1]
-        elif isinstance(ev, RoundFinished):
-            rounds.append(ev)
-        elif isinstance(ev, Finished):
-            finished = ev
-    assert finished is not None
-    return tokens, rounds, finished
+    def cache_is_plain(tokens):
+        # After every commit the cache holds exactly what plain decoding would hold.
+        assert target.rows == [*prompt, *tokens][:-1]
+
+    return collect(
+        decode(target, prompt, sampling, stop, FakeClock(), source=source, **kw), after_commit=cache_is_plain
+    )
 
 
 def plain(prompt, stop, vocab=16, context=2):
@@ -180,7 +176,15 @@ def test_plain_mode_hands_the_next_steps_uniform_ahead_in_draw_order() -> None:
 def test_speculative_rounds_never_queue_ahead_and_capture_features_for_drafters() -> None:
     target = OracleTarget(vocab=16, context=2)
     source = ScriptedDraftSource(target, lambda r, i: i < 2, block=4)
-    list(decode(target, [1, 2, 3], SamplingParams(), StopRule(max_tokens=12, eos_ids=frozenset()), FakeClock(),
-                source=source))
+    list(
+        decode(
+            target,
+            [1, 2, 3],
+            SamplingParams(),
+            StopRule(max_tokens=12, eos_ids=frozenset()),
+            FakeClock(),
+            source=source,
+        )
+    )
     assert all(ahead is None for _, _, ahead in target.calls)
     assert target.captures == [source.uses_features]

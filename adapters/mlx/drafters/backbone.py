@@ -133,6 +133,24 @@ class DrafterBackbone(nn.Module):
         """Each layer's rotated K/V of fused context rows [B, S, H] at `positions`."""
         return [layer.self_attn.key_values(fused, positions) for layer in self.layers]
 
+    def embed_block(self, ids: mx.array) -> mx.array:
+        """Block token ids [B, L] → input embeddings (each drafter binds its own or the target's)."""
+        raise NotImplementedError
+
+    def block_hidden(
+        self,
+        block_ids: mx.array,
+        context_features: mx.array | None,
+        positions: Positions,
+        context_positions: Positions,
+        masks: Any,
+    ) -> mx.array:
+        """The pure forward of both drafters up to the heads: fuse the context, embed the block, run `hidden`."""
+        context = None
+        if context_features is not None:
+            context = self.context_kv(self.fuse(context_features), context_positions)
+        return self.hidden(self.embed_block(block_ids), positions, context=context, masks=masks)
+
     def hidden(
         self,
         block: mx.array,

@@ -177,6 +177,22 @@ def _non_causal(*sources: Mapping[str, Any] | None) -> bool:
     return _first(*sources, key="is_causal", default=True) is False
 
 
+def _dflash_layout_backbone(
+    raw: Mapping[str, Any], dcfg: Mapping[str, Any], where: str, *, block_size: Any = None
+) -> BackboneConfig:
+    """The backbone of a config laid out as z-lab's (a `dflash_config` beside the layer keys)."""
+    return _backbone(
+        raw,
+        block_size=_first(raw, dcfg, key="block_size") if block_size is None else block_size,
+        mask_token_id=_first(dcfg, raw, key="mask_token_id"),
+        target_layer_ids=_first(dcfg, raw, key="target_layer_ids"),
+        num_target_layers=_first(raw, dcfg, key="num_target_layers"),
+        target_hidden_size=_first(dcfg, raw, key="target_hidden_size"),
+        non_causal=_non_causal(dcfg, raw),
+        where=where,
+    )
+
+
 def parse_dflash(raw: Mapping[str, Any], where: str = "drafter") -> DFlashConfig:
     """Parse a z-lab DFlash `config.json` (§2.2), any schema revision.
 
@@ -186,16 +202,7 @@ def parse_dflash(raw: Mapping[str, Any], where: str = "drafter") -> DFlashConfig
     dcfg = raw.get("dflash_config") or {}
     if dcfg.get("projector_type") == "dspark" or "markov_rank" in raw or "speculators_config" in raw:
         raise ModelUnavailable(message=f"{where}: this is a DSpark checkpoint; load it with kind='dspark'")
-    backbone = _backbone(
-        raw,
-        block_size=_first(raw, dcfg, key="block_size"),
-        mask_token_id=_first(dcfg, raw, key="mask_token_id"),
-        target_layer_ids=_first(dcfg, raw, key="target_layer_ids"),
-        num_target_layers=_first(raw, dcfg, key="num_target_layers"),
-        target_hidden_size=_first(dcfg, raw, key="target_hidden_size"),
-        non_causal=_non_causal(dcfg, raw),
-        where=where,
-    )
+    backbone = _dflash_layout_backbone(raw, dcfg, where)
     return DFlashConfig(
         backbone=backbone,
         input_embedding_scale=_first(dcfg, raw, key="input_embedding_scale"),
@@ -271,16 +278,7 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
     else:
         dcfg = raw.get("dflash_config") or {}
         extra = {**raw, **dcfg}
-        backbone = _backbone(
-            raw,
-            block_size=_first(dcfg, raw, key="block_size"),
-            mask_token_id=_first(dcfg, raw, key="mask_token_id"),
-            target_layer_ids=_first(dcfg, raw, key="target_layer_ids"),
-            num_target_layers=_first(raw, dcfg, key="num_target_layers"),
-            target_hidden_size=_first(dcfg, raw, key="target_hidden_size"),
-            non_causal=_non_causal(dcfg, raw),
-            where=where,
-        )
+        backbone = _dflash_layout_backbone(raw, dcfg, where, block_size=_first(dcfg, raw, key="block_size"))
         draft_vocab = _first(dcfg, raw, key="draft_vocab_size")
         first_slot = _first_slot(dcfg, raw, default=0)
     head_type = str(extra.get("markov_head_type") or "vanilla").lower()

@@ -6,47 +6,23 @@ target's LM head, slots 1..bs−1 are drafts (slot k predicts anchor+k).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
 from mlx_dspark.adapters.mlx import model_parts
+from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target, load_strict, prepare
 from mlx_dspark.adapters.mlx.drafters.config import DFlashConfig
 from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
-from mlx_dspark.domain.errors import IncompatibleDrafter
 from mlx_dspark.domain.tokens import SamplingParams
 
-ArrayFn = Callable[[mx.array], mx.array]
 
-
-def target_embedding(target_model: nn.Module, scale: float | None) -> ArrayFn:
-    """The target's token embedding; an explicit `scale` from the drafter config replaces the family's."""
-    if scale is None:
-        return lambda ids: model_parts.embed(target_model, ids)
-    decoder_embed = model_parts._decoder(target_model).embed_tokens
-    return lambda ids: decoder_embed(ids) * scale
-
-
-def target_head(target_model: nn.Module, multiplier: float | None, cap: float | None) -> ArrayFn:
-    """The target's LM head; the drafter config's output multiplier / softcap replace the family's when set."""
-    if multiplier is None and cap is None:
-        return lambda h: model_parts.lm_head(target_model, h)
-
-    def head(h: mx.array) -> mx.array:
-        out = model_parts.head_projection(target_model, h)
-        if multiplier is not None:
-            out = out * multiplier
-        return model_parts.softcap(out, cap)
-
-    return head
-
-
-class DFlashDrafter(DrafterBackbone):
+class DFlashDrafter(DrafterBackbone, heads.DraftVocabulary):
     """The DFlash drafter: the shared backbone bound to the target's embedding and head (frozen, not params).
 
     With a `d2t` table the drafter carries its own `lm_head`: the target head's rows of a reduced draft
@@ -65,8 +41,8 @@ class DFlashDrafter(DrafterBackbone):
         self,
         config: DFlashConfig,
         *,
-        embed_fn: ArrayFn,
-        head_fn: ArrayFn,
+        embed_fn: heads.ArrayFn,
+        head_fn: heads.ArrayFn,
         vocab_size: int | None = None,
         d2t: mx.array | None = None,
     ) -> None:
@@ -77,7 +53,7 @@ class DFlashDrafter(DrafterBackbone):
         self.vocab_size = vocab_size
         if d2t is not None:
             self.lm_head = nn.Linear(config.backbone.hidden_size, int(d2t.shape[0]), bias=False)
-        self._draft_to_target = None if d2t is None else (mx.arange(d2t.shape[0]) + d2t).astype(mx.int32)
+        self.map_draft_vocabulary(d2t)
 
     def embed_block(self, ids: mx.array) -> mx.array:
         return self.embed_fn(ids).astype(self.dtype)
@@ -86,23 +62,8 @@ class DFlashDrafter(DrafterBackbone):
         """Logits over the draft vocabulary (the target's, or the reduced one with a d2t table)."""
         if "lm_head" not in self:
             return self.head_fn(h)
-        out = self.lm_head(h)
         cfg = self.dflash_config
-        if cfg.output_multiplier is not None:
-            out = out * cfg.output_multiplier
-        return model_parts.softcap(out, cfg.final_logit_softcapping)
-
-    def to_target_ids(self, draft_ids: mx.array) -> mx.array:
-        """Draft-vocabulary ids → target ids (identity for the full head)."""
-        return draft_ids if self._draft_to_target is None else self._draft_to_target[draft_ids]
-
-    def to_target_probs(self, q: mx.array) -> mx.array:
-        """Draft-vocabulary distributions [..., V_d] → the same distributions over the target vocabulary."""
-        if self._draft_to_target is None:
-            return q
-        assert self.vocab_size is not None
-        idx = mx.broadcast_to(self._draft_to_target, q.shape)
-        return mx.put_along_axis(mx.zeros((*q.shape[:-1], self.vocab_size), dtype=q.dtype), idx, q, axis=-1)
+        return heads.own_head_logits(self.lm_head, h, cfg.output_multiplier, cfg.final_logit_softcapping)
 
     def __call__(
         self,
@@ -125,11 +86,7 @@ class DFlashDrafter(DrafterBackbone):
         Returns:
             [B, L, V] logits; slot k of a block predicts the token at anchor + k (slot 0 is unused).
         """
-        context = None
-        if context_features is not None:
-            context = self.context_kv(self.fuse(context_features), context_positions)
-        h = self.hidden(self.embed_block(block_ids), positions, context=context, masks=masks)
-        return self.logits(h)
+        return self.logits(self.block_hidden(block_ids, context_features, positions, context_positions, masks))
 
     @classmethod
     def from_weights(
@@ -150,29 +107,18 @@ class DFlashDrafter(DrafterBackbone):
         """
         check_fits_target(config.backbone, target_model, uses_target_vocab=True, where=where)
         vocab = model_parts.vocab_size(target_model)
-        d2t = weights.get("d2t")
-        if d2t is not None:
-            d2t = d2t.astype(mx.int32)
-            mapped = mx.arange(d2t.shape[0]) + d2t
-            if int(mx.max(mapped).item()) >= vocab or int(mx.min(mapped).item()) < 0:
-                raise IncompatibleDrafter(message=f"{where}: its d2t table maps outside the target vocabulary")
-            if config.draft_vocab_size is not None and config.draft_vocab_size != d2t.shape[0]:
-                raise IncompatibleDrafter(
-                    message=f"{where}: d2t has {d2t.shape[0]} rows but draft_vocab_size is {config.draft_vocab_size}"
-                )
-        elif config.draft_vocab_size is not None and config.draft_vocab_size != vocab:
-            raise IncompatibleDrafter(message=f"{where}: a draft vocabulary of {config.draft_vocab_size} needs d2t")
+        d2t = heads.checked_d2t(weights, config.draft_vocab_size, vocab, where=where)
         drafter = cls(
             config,
-            embed_fn=target_embedding(target_model, config.input_embedding_scale),
-            head_fn=target_head(target_model, config.output_multiplier, config.final_logit_softcapping),
+            embed_fn=heads.target_embedding(target_model, config.input_embedding_scale),
+            head_fn=heads.target_head(target_model, config.output_multiplier, config.final_logit_softcapping),
             vocab_size=vocab,
             d2t=d2t,
         )
         weights = {k: v for k, v in weights.items() if k != "d2t"}
         if d2t is not None and "lm_head.weight" not in weights:
             # This project's reduced heads ship no rows: they are the target head's rows of the d2t ids.
-            weights["lm_head.weight"] = model_parts.head_rows(target_model, mx.arange(d2t.shape[0]) + d2t)
+            weights["lm_head.weight"] = model_parts.head_rows(target_model, heads.mapped_ids(d2t))
         load_strict(drafter, weights, where=where)
         prepare(drafter, bits=bits, dtype=dtype)
         drafter.freeze()
@@ -194,10 +140,8 @@ class DFlashDraftSource(BackboneDraftSource):
 
     def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
         """Up to `cap` drafts after ctx.anchor (slots 1..cap of the full block, which stays bidirectional)."""
-        self.ingest(ctx)
-        n = max(0, min(cap, self.max_block))
+        n = self.round_size(ctx, cap)
         if n == 0:
-            mx.eval(self.cache.state())
             return DraftBlock(source=self.name)
         h = self.cache.forward(self.drafter.embed_block(self.block_ids(ctx.anchor)), ctx.position)
         logits = self.drafter.logits(h[0, 1 : 1 + n])

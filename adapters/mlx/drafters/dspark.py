@@ -18,10 +18,10 @@ import mlx.core as mx
 from mlx import nn
 
 from mlx_dspark.adapters.mlx import model_parts
+from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target, load_strict, prepare
 from mlx_dspark.adapters.mlx.drafters.config import DSparkConfig
-from mlx_dspark.adapters.mlx.drafters.dflash import ArrayFn, target_embedding, target_head
 from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.confidence import confident_prefix_length
@@ -52,7 +52,7 @@ class ConfidenceHead(nn.Module):
         return self.proj(x)[..., 0]
 
 
-class DSparkDrafter(DrafterBackbone):
+class DSparkDrafter(DrafterBackbone, heads.DraftVocabulary):
     """The DSpark drafter.
 
     Args:
@@ -69,8 +69,8 @@ class DSparkDrafter(DrafterBackbone):
         config: DSparkConfig,
         *,
         vocab_size: int,
-        embed_fn: ArrayFn | None = None,
-        head_fn: ArrayFn | None = None,
+        embed_fn: heads.ArrayFn | None = None,
+        head_fn: heads.ArrayFn | None = None,
         own_embedding: bool = True,
         own_head: bool = True,
         confidence_bias: bool = True,
@@ -96,8 +96,7 @@ class DSparkDrafter(DrafterBackbone):
         if config.confidence_head:
             extra = config.markov_rank if config.confidence_with_markov else 0
             self.confidence_head = ConfidenceHead(h + extra, bias=confidence_bias)
-        # Underscore: a lookup table, not a parameter (excluded from training and quantization).
-        self._draft_to_target = None if d2t is None else (mx.arange(d2t.shape[0]) + d2t).astype(mx.int32)
+        self.map_draft_vocabulary(d2t)
 
     @property
     def has_markov(self) -> bool:
@@ -120,11 +119,8 @@ class DSparkDrafter(DrafterBackbone):
         if "lm_head" not in self:
             assert self.head_fn is not None
             return self.head_fn(h)
-        out = self.lm_head(h)
         cfg = self.dspark_config
-        if cfg.output_multiplier is not None:
-            out = out * cfg.output_multiplier
-        return model_parts.softcap(out, cfg.final_logit_softcapping)
+        return heads.own_head_logits(self.lm_head, h, cfg.output_multiplier, cfg.final_logit_softcapping)
 
     def prev_embedding(self, prev_ids: mx.array) -> mx.array | None:
         """w1[x_{k−1}] for previous-token ids (target vocabulary), or None without a Markov head."""
@@ -183,10 +179,7 @@ class DSparkDrafter(DrafterBackbone):
         Returns:
             Corrected logits [B, L, V_d] (float32) and confidence logits [B, L] (or None).
         """
-        context = None
-        if context_features is not None:
-            context = self.context_kv(self.fuse(context_features), context_positions)
-        h = self.hidden(self.embed_block(block_ids), positions, context=context, masks=masks)
+        h = self.block_hidden(block_ids, context_features, positions, context_positions, masks)
         prev_emb = self.prev_embedding(prev_ids) if prev_ids is not None else None
         return self.corrected(self.base_logits(h), prev_emb), self.confidence_logit(h, prev_emb)
 
@@ -211,8 +204,7 @@ class DSparkDrafter(DrafterBackbone):
         weights = dict(weights)
         if "d2t" in weights and "lm_head.weight" not in weights:
             # This project's reduced heads ship no rows: they are the target head's rows of the d2t ids.
-            d2t_rows = weights["d2t"].astype(mx.int32)
-            mapped_rows = mx.arange(d2t_rows.shape[0]) + d2t_rows
+            mapped_rows = heads.mapped_ids(weights["d2t"])
             if (
                 int(mx.max(mapped_rows).item()) < model_parts.vocab_size(target_model)
                 and int(mx.min(mapped_rows).item()) >= 0
@@ -223,20 +215,7 @@ class DSparkDrafter(DrafterBackbone):
             config.backbone, target_model, uses_target_vocab=not (own_embedding and own_head), where=where
         )
         vocab = model_parts.vocab_size(target_model)
-        d2t = weights.get("d2t")
-        if d2t is not None:
-            d2t = d2t.astype(mx.int32)
-            mapped = mx.arange(d2t.shape[0]) + d2t
-            if int(mx.max(mapped).item()) >= vocab or int(mx.min(mapped).item()) < 0:
-                raise IncompatibleDrafter(message=f"{where}: its d2t table maps outside the target vocabulary")
-            if config.draft_vocab_size is not None and config.draft_vocab_size != d2t.shape[0]:
-                raise IncompatibleDrafter(
-                    message=f"{where}: d2t has {d2t.shape[0]} rows but draft_vocab_size is {config.draft_vocab_size}"
-                )
-        elif config.draft_vocab_size is not None and config.draft_vocab_size != vocab:
-            raise IncompatibleDrafter(
-                message=f"{where}: draft vocabulary of {config.draft_vocab_size} tokens needs a d2t table"
-            )
+        d2t = heads.checked_d2t(weights, config.draft_vocab_size, vocab, where=where)
         if own_head and weights["lm_head.weight"].shape[0] != (vocab if d2t is None else d2t.shape[0]):
             raise IncompatibleDrafter(
                 message=f"{where}: its lm_head has {weights['lm_head.weight'].shape[0]} rows, "
@@ -245,10 +224,10 @@ class DSparkDrafter(DrafterBackbone):
         drafter = cls(
             config,
             vocab_size=vocab,
-            embed_fn=None if own_embedding else target_embedding(target_model, config.input_embedding_scale),
+            embed_fn=None if own_embedding else heads.target_embedding(target_model, config.input_embedding_scale),
             head_fn=None
             if own_head
-            else target_head(target_model, config.output_multiplier, config.final_logit_softcapping),
+            else heads.target_head(target_model, config.output_multiplier, config.final_logit_softcapping),
             own_embedding=own_embedding,
             own_head=own_head,
             confidence_bias="confidence_head.proj.bias" in weights,
@@ -288,10 +267,8 @@ class DSparkDraftSource(BackboneDraftSource):
 
     def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
         """Up to `cap` drafts, left to right through the Markov head; truncated on confidence if enabled."""
-        self.ingest(ctx)
-        n = max(0, min(cap, self.max_block))
+        n = self.round_size(ctx, cap)
         if n == 0:
-            mx.eval(self.cache.state())
             return DraftBlock(source=self.name)
         d = self.drafter
         first = d.dspark_config.first_draft_slot

@@ -54,6 +54,18 @@ class BackboneDraftSource:
             own = features if cols is None else mx.take(features, cols, axis=-1)
             self.cache.append(own, ctx.position - n)
 
+    def round_size(self, ctx: DraftContext, cap: int) -> int:
+        """Ingest the new context rows and return how many drafts this round makes (0: only the cache moved)."""
+        self.ingest(ctx)
+        n = max(0, min(cap, self.max_block))
+        if n == 0:
+            mx.eval(self.cache.state())
+        return n
+
+    @property
+    def max_block(self) -> int:
+        raise NotImplementedError
+
     def block_ids(self, anchor: int) -> mx.array:
         cfg = self.drafter.config
         return mx.array([[anchor] + [cfg.mask_token_id] * (cfg.block_size - 1)], dtype=mx.int32)

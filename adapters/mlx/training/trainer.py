@@ -25,8 +25,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters.config import parse_dflash, parse_dspark
-from mlx_dspark.adapters.mlx.drafters.dflash import DFlashDrafter, target_embedding, target_head
+from mlx_dspark.adapters.mlx.drafters.dflash import DFlashDrafter
 from mlx_dspark.adapters.mlx.drafters.dspark import DSparkDrafter
+from mlx_dspark.adapters.mlx.drafters.heads import target_embedding, target_head
 from mlx_dspark.adapters.mlx.training import checkpoints
 from mlx_dspark.adapters.mlx.training.features import capture, head_rows
 from mlx_dspark.adapters.mlx.training.generate import generate_responses

@@ -1,8 +1,7 @@
-"""Tiny targets, tiny drafter checkpoints written in the published formats, and a reference target.
+"""Tiny targets and tiny drafter checkpoints written in the published formats.
 
 Checkpoints are config.json + model.safetensors exactly as z-lab (DFlash), DeepSpec, vLLM speculators and
-SpecForge (DSpark) publish them, only small. `ReferenceTarget` is a cache-free TargetModel (full recompute
-per call) used only when the real `MlxTargetModel` is not available.
+SpecForge (DSpark) publish them, only small.
 """
 
 from __future__ import annotations
@@ -17,13 +16,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_dspark.adapters.mlx import model_parts
-from mlx_dspark.domain.drafting.block import DraftBlock
-from mlx_dspark.domain.ports import RollbackKind
-from mlx_dspark.domain.tokens import SamplingParams
-from mlx_dspark.domain.verification.distribution import argmax, distribution, sample_index
-from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
-from mlx_dspark.domain.verification.outcome import Acceptance
-from mlx_dspark.domain.verification.sampled import speculative_accept
 
 HIDDEN = 64
 VOCAB = 128
@@ -91,79 +83,6 @@ def target_forward(model: Any, tokens: Sequence[int], layer_ids: Sequence[int] =
         else mx.zeros((len(tokens), 0))
     )
     return logits, cat
-
-
-class ReferenceTarget:
-    """A TargetModel by full recomputation (no cache to roll back), with feature capture."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.rows: list[int] = []
-        self._pending: list[int] = []
-        self._capture: tuple[int, ...] = ()
-        self._taken = 0
-
-    def configure_capture(self, layer_ids: Sequence[int]) -> None:
-        self._capture = tuple(layer_ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return model_parts.vocab_size(self.model)
-
-    @property
-    def rollback_kind(self) -> RollbackKind:
-        return RollbackKind.TRIM
-
-    @property
-    def cached_tokens(self) -> int:
-        return len(self.rows)
-
-    @property
-    def cached_ids(self) -> tuple[int, ...]:
-        return tuple(self.rows)
-
-    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
-        del self.rows[keep:]
-        self._taken = 0
-        return len(self.rows)
-
-    def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
-        self.rows.extend(tokens)
-        logits, _ = target_forward(self.model, self.rows)
-        row = logits[-1].tolist()
-        if sampling.greedy:
-            return argmax(row)
-        return sample_index(distribution(row, sampling), uniform)
-
-    def verify(
-        self,
-        anchor: int,
-        block: DraftBlock,
-        sampling: SamplingParams,
-        uniforms: Sequence[float],
-        *,
-        ahead: float | None = None,
-    ) -> Acceptance:
-        self._pending = [anchor, *block.tokens]
-        logits, _ = target_forward(self.model, [*self.rows, *self._pending])
-        rows = logits[len(self.rows) :].tolist()
-        if sampling.greedy:
-            return longest_accepted_prefix(block.tokens, [argmax(r) for r in rows])
-        p_rows = [distribution(r, sampling) for r in rows]
-        q_rows = None if block.q is None else np.asarray(block.q).tolist()
-        return speculative_accept(block.tokens, p_rows, q_rows, uniforms)
-
-    def commit(self, keep_rows: int) -> None:
-        self.rows.extend(self._pending[:keep_rows])
-        self._pending = []
-
-    def take_features(self) -> mx.array | None:
-        if not self._capture:
-            return None
-        _, feats = target_forward(self.model, self.rows, self._capture)
-        out = feats[self._taken :]
-        self._taken = len(self.rows)
-        return out
 
 
 def bigram_table(model: Any) -> np.ndarray:
@@ -415,12 +334,3 @@ def head_weight(target: Any) -> np.ndarray:
     owner = model_parts._owner(target)
     w = owner.lm_head.weight if "lm_head" in owner else model_parts._decoder(target).embed_tokens.weight
     return np.array(w.astype(mx.float32))
-
-
-def make_target(model: Any) -> Any:
-    """The real `MlxTargetModel` when the adapter exists, else the cache-free reference target."""
-    try:
-        from mlx_dspark.adapters.mlx.target import MlxTargetModel
-    except ImportError:
-        return ReferenceTarget(model)
-    return MlxTargetModel(model)

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from mlx_dspark.adapters.mlx.drafters import load_drafter
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftContext
-from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
+from mlx_dspark.domain.events import Finished, RoundFinished
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 from mlx_dspark.domain.verification.distribution import distribution
+from tests.decoding import collect
 from tests.fakes.clock import FakeClock
 from tests.integration.drafters import helpers
 from tests.stats import chi_square_p_value
@@ -30,21 +32,10 @@ GREEDY = SamplingParams()
 def run(
     model: Any, prompt: list[int], stop: StopRule, source: Any = None, sampling: SamplingParams = GREEDY, **kw: Any
 ) -> tuple[list[int], list[RoundFinished], Finished]:
-    target = helpers.make_target(model)
+    target = MlxTargetModel(model)
     if source is not None:
         target.configure_capture(source.target_layer_ids)
-    tokens: list[int] = []
-    rounds: list[RoundFinished] = []
-    finished = None
-    for ev in decode(target, prompt, sampling, stop, FakeClock(), source=source, **kw):
-        if isinstance(ev, TokensCommitted):
-            tokens.extend(ev.tokens)
-        elif isinstance(ev, RoundFinished):
-            rounds.append(ev)
-        elif isinstance(ev, Finished):
-            finished = ev
-    assert finished is not None
-    return tokens, rounds, finished
+    return collect(decode(target, prompt, sampling, stop, FakeClock(), source=source, **kw))
 
 
 DRAFTERS = [
@@ -242,6 +233,7 @@ def test_many_prompts_and_caps_with_quantized_drafters(tmp_path: Path, qwen3_tar
     for bits, (prompt, cap) in zip((4, 8), itertools.product([[1, 2, 3], [77, 5]], [2, 5]), strict=False):
         source = load_drafter("dspark", str(path), qwen3_target, bits=bits)
         stop = StopRule(max_tokens=15)
-        assert run(qwen3_target, prompt, stop, source=source, cap_policy=_fixed(cap))[0] == run(
-            qwen3_target, prompt, stop
-        )[0]
+        assert (
+            run(qwen3_target, prompt, stop, source=source, cap_policy=_fixed(cap))[0]
+            == run(qwen3_target, prompt, stop)[0]
+        )
