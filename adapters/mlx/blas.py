@@ -96,17 +96,8 @@ def _build_shim(openblas: Path) -> Path:
         src.write_text(SHIM_SOURCE)
         built = Path(tmp) / out.name
         subprocess.run(
-            [
-                compiler,
-                "-O2",
-                "-shared",
-                "-fPIC",
-                "-o",
-                str(built),
-                str(src),
-                str(openblas),
-                f"-Wl,-rpath,{openblas.parent}",
-            ],
+            [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(src), str(openblas),
+             f"-Wl,-rpath,{openblas.parent}"],
             check=True,
             capture_output=True,
         )

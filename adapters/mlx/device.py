@@ -45,6 +45,7 @@ def describe_runtime() -> dict[str, Any]:
     return info
 
 
+
 PREFIX_CACHE_FRACTION = 0.25  # of the memory free at start: room for the model's own growth stays
 
 

@@ -105,7 +105,9 @@ class SafetensorsPrefixStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{key}{SUFFIX}"
         _write_atomic(path, arrays, meta)
-        return StoredPrefix(key=key, tag=tag, tokens=tokens, nbytes=path.stat().st_size, min_length=state.min_length)
+        return StoredPrefix(
+            key=key, tag=tag, tokens=tokens, nbytes=path.stat().st_size, min_length=state.min_length
+        )
 
     def load(self, stored: StoredPrefix) -> MlxCacheState | None:
         path = self.folder / f"{stored.key}{SUFFIX}"

@@ -76,19 +76,11 @@ def test_every_format_loads_and_configures_capture(tmp_path: Path, qwen3_target:
         ("dflash", helpers.write_dflash(tmp_path / "v2", variant="v2", layer_ids=(0, 2, 4)), DFlashDraftSource, 5),
         ("dflash", helpers.write_dflash(tmp_path / "sl", variant="sliding"), DFlashDraftSource, 5),
         ("dspark", helpers.write_dspark(tmp_path / "ds", qwen3_target), DSparkDraftSource, 5),
-        (
-            "dspark",
-            helpers.write_dspark(tmp_path / "sp", qwen3_target, packaging="speculators", draft_vocab=64),
-            DSparkDraftSource,
-            5,
-        ),
+        ("dspark", helpers.write_dspark(tmp_path / "sp", qwen3_target, packaging="speculators", draft_vocab=64),
+         DSparkDraftSource, 5),
         ("dspark", helpers.write_dspark(tmp_path / "sf", qwen3_target, packaging="specforge"), DSparkDraftSource, 5),
-        (
-            "dspark",
-            helpers.write_dspark(tmp_path / "s1", qwen3_target, packaging="speculators", first_slot=1),
-            DSparkDraftSource,
-            4,
-        ),
+        ("dspark", helpers.write_dspark(tmp_path / "s1", qwen3_target, packaging="speculators", first_slot=1),
+         DSparkDraftSource, 4),
     ]
     for kind, path, cls, max_block in cases:
         recorder = RecordingTarget()
@@ -173,14 +165,8 @@ def test_drafters_that_do_not_fit_the_target_are_refused(tmp_path: Path, qwen3_t
 
     narrow = llama.Model(
         llama.ModelArgs(
-            model_type="llama",
-            hidden_size=32,
-            num_hidden_layers=6,
-            intermediate_size=64,
-            num_attention_heads=2,
-            rms_norm_eps=1e-6,
-            vocab_size=128,
-            tie_word_embeddings=False,
+            model_type="llama", hidden_size=32, num_hidden_layers=6, intermediate_size=64, num_attention_heads=2,
+            rms_norm_eps=1e-6, vocab_size=128, tie_word_embeddings=False,
         )
     )
     with pytest.raises(IncompatibleDrafter, match="width 64, the target's is 32"):
@@ -254,16 +240,8 @@ def microbenchmark() -> dict[str, float]:
     from mlx_dspark.adapters.mlx.drafters.config import BackboneConfig
 
     cfg = BackboneConfig(
-        hidden_size=1024,
-        target_hidden_size=1024,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=128,
-        intermediate_size=3072,
-        target_layer_ids=(1, 2, 3),
-        block_size=7,
-        mask_token_id=0,
+        hidden_size=1024, target_hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=128,
+        intermediate_size=3072, target_layer_ids=(1, 2, 3), block_size=7, mask_token_id=0,
         layer_types=("full_attention",) * 2,
     )
     out = {}
@@ -316,15 +294,8 @@ def test_the_confidence_threshold_setting_reaches_dspark_and_spares_dflash(tmp_p
     from mlx_dspark.application.settings import ModelSettings
     from mlx_dspark.domain.model import LoadedModel
 
-    model = LoadedModel(
-        name="tiny",
-        identity="tiny@test",
-        target=MlxTargetModel(qwen3_target),
-        tokenizer=None,
-        context_window=256,
-        family="qwen3",
-        handle=qwen3_target,
-    )
+    model = LoadedModel(name="tiny", identity="tiny@test", target=MlxTargetModel(qwen3_target), tokenizer=None,
+                        context_window=256, family="qwen3", handle=qwen3_target)
     loader = HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"), confidence_threshold=0.4))
     dspark = loader.load_drafter("dspark", str(helpers.write_dspark(tmp_path / "ds", qwen3_target)), model, bits=0)
     assert dspark.confidence_threshold == 0.4
