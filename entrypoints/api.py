@@ -137,6 +137,6 @@ def load(
              "drafter_bits": drafter_bits, **settings}
     resolved = load_settings(flags)
     if services is None:
-        bootstrap.prepare_runtime()
+        bootstrap.runtime().prepare()
         services = bootstrap.build(resolved)
     return SpeculativeModel(build_generator(services, resolved), resolved)

@@ -441,8 +441,9 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
         f"{a.samples}+ mixed prompts (built-in templates, math, code, tool-use, agent system prompts, "
         f"self-instruct, multi-turn), responses by the target in bf16 on one H200"
     )
-    try:
-        facts = MlxDrafterTrainer(lambda _n: _T()).train(
+
+    def train_with(plan: Any) -> dict[str, Any]:
+        return MlxDrafterTrainer(lambda _n: _T()).train(
             _T(),
             plan,
             train,
@@ -452,22 +453,16 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
             card=lambda f: model_card("default", note, f, None),
             progress=progress,
         )
+
+    try:
+        facts = train_with(plan)
     except Exception as exc:  # a compile failure must not cost the slot: the same run, uncompiled
         import traceback
 
         log(work, name, "compiled run failed, retrying uncompiled:", repr(exc), traceback.format_exc()[-1500:])
         left = max(60.0, a.train_seconds - (time.perf_counter() - t0))
         plan = attrs.evolve(plan, compile=False, time_budget_s=left)
-        facts = MlxDrafterTrainer(lambda _n: _T()).train(
-            _T(),
-            plan,
-            train,
-            held,
-            out_dir=str(work / name),
-            resume=False,
-            card=lambda f: model_card("default", note, f, None),
-            progress=progress,
-        )
+        facts = train_with(plan)
     facts = {k: x for k, x in facts.items() if k != "config"}
     facts["wall_s"] = time.perf_counter() - t0
     facts["block_tokens_per_s"] = facts["block_tokens"] / max(1e-9, facts.get("train_seconds") or 1)
@@ -597,7 +592,7 @@ def main() -> None:
     if a.smoke:
         from mlx_dspark.application import bootstrap
 
-        bootstrap.prepare_runtime()  # the optimized CPU BLAS, as every CPU entrypoint does
+        bootstrap.runtime().prepare()  # the optimized CPU BLAS, as every CPU entrypoint does
     if a.phase == "export":
         export_target(a.gguf, a.model)
         return

@@ -16,7 +16,14 @@ import cattrs
 from cattrs.v import format_exception
 
 from mlx_dspark.domain.chat import ToolChoice, ToolChoiceMode
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import (
+    CapacityExceeded,
+    ContextTooLong,
+    DomainError,
+    InvalidRequest,
+    ModelUnavailable,
+    Overloaded,
+)
 
 T = TypeVar("T")
 
@@ -240,6 +247,53 @@ def openai_envelope(status: int, message: str, *, param: str | None = None, code
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+OpenAIError = tuple[int, str, str | None, str | None]
+
+
+def openai_classify(
+    exc: BaseException,
+    *,
+    context: Callable[[ContextTooLong], tuple[str, str]],
+    overloaded_code: str,
+    server_code: str | None,
+) -> OpenAIError:
+    """(status, message, param, code) of an error in OpenAI's vocabulary; the two OpenAI dialects differ only
+    in the context-overflow wording and param (`context(exc)` gives both) and in two codes."""
+    if isinstance(exc, ContextTooLong):
+        message, param = context(exc)
+        return 400, message, param, "context_length_exceeded"
+    if isinstance(exc, InvalidRequest):
+        return 400, exc.message, exc.param, None
+    if isinstance(exc, ModelUnavailable):
+        return 404, exc.message, "model", "model_not_found"
+    if isinstance(exc, Overloaded):
+        return 429, exc.message, None, "rate_limit_exceeded"
+    if isinstance(exc, CapacityExceeded):
+        return 503, exc.message, None, overloaded_code
+    if isinstance(exc, DomainError):
+        return 500, exc.message, None, server_code
+    return 500, "internal server error", None, server_code
+
+
+def part_texts(parts: list[Any], *, text: Any, refusal: Any, refused: str, where: str) -> list[str]:
+    """The text of OpenAI content parts: `text` and `refusal` parts read as text, any other part is refused.
+
+    Raises:
+        InvalidRequest: a part of another type ("{refused} input are not supported", param `where.j`).
+    """
+    out = []
+    for j, p in enumerate(parts):
+        if isinstance(p, text):
+            out.append(p.text)
+        elif isinstance(p, refusal):
+            out.append(p.refusal)
+        else:
+            raise InvalidRequest(
+                message=f"{refused} input are not supported by this text-only model ({where}.{j})", param=f"{where}.{j}"
+            )
+    return out
+
+
 def allowed_tool_choice(mode: Any, tools: Any, name_of: Callable[[Any], Any]) -> ToolChoice:
     """OpenAI's `allowed_tools` choice: `mode` auto|required over the tools whose names `name_of` reads.
 
@@ -257,12 +311,21 @@ def allowed_tool_choice(mode: Any, tools: Any, name_of: Callable[[Any], Any]) ->
     return ToolChoice(mode=chosen, allowed=tuple(n for n in names if isinstance(n, str)))
 
 
-def named_tool_choice(choice: Any) -> ToolChoice | None:
-    """The OpenAI string forms of `tool_choice` ("auto", "none", "required", or absent); None for others."""
+def openai_tool_choice(choice: Any, dict_form: Callable[[dict[str, Any], Any], ToolChoice | None]) -> ToolChoice:
+    """OpenAI's `tool_choice`: the string forms ("auto", "none", "required", or absent) here, the dialect's
+    object forms from `dict_form(choice, its "type")` (None: not one it knows).
+
+    Raises:
+        InvalidRequest: any other value.
+    """
     if choice is None or choice == "auto":
         return ToolChoice()
     if choice == "none":
         return ToolChoice(mode=ToolChoiceMode.NONE)
     if choice == "required":
         return ToolChoice(mode=ToolChoiceMode.REQUIRED)
-    return None
+    if isinstance(choice, dict):
+        found = dict_form(choice, choice.get("type"))
+        if found is not None:
+            return found
+    raise InvalidRequest(message=f"unsupported tool_choice {choice!r}", param="tool_choice")

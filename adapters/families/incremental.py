@@ -428,7 +428,7 @@ class XmlCallReader(_CallReader):
                 end = self._text.find(self._END_VALUE, self._pos)
                 if end < 0:
                     raise _Stop
-                raw = _strip_one_newline(self._text[self._pos : end])
+                raw = strip_one_newline(self._text[self._pos : end])
                 self._pos = end + len(self._END_VALUE)
                 self._member(self._coerce(raw, schema if isinstance(schema, Mapping) else None))
                 self._phase = "param"
@@ -463,7 +463,8 @@ def _is_text(schema: Any) -> bool:
     return schema is True or (isinstance(schema, Mapping) and schema.get("type", "string") == "string")
 
 
-def _strip_one_newline(value: str) -> str:
+def strip_one_newline(value: str) -> str:
+    """An XML parameter value without the one layout line break each side (Qwen writes them)."""
     if value.startswith("\n"):
         value = value[1:]
     if value.endswith("\n"):

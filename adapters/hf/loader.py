@@ -19,7 +19,7 @@ from mlx_dspark.adapters.hf.gguf import converted_dir
 from mlx_dspark.adapters.hf.resolve import looks_like_path, model_identity, resolve_snapshot
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
 from mlx_dspark.domain.errors import IncompatibleDrafter, InvalidRequest, ModelUnavailable
-from mlx_dspark.domain.model import LoadedModel
+from mlx_dspark.domain.model import LoadedModel, TrainingTarget
 
 # What an mlx-lm checkpoint needs from a hub snapshot (mlx-lm fetches the same set).
 MLX_PATTERNS = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja")
@@ -288,6 +288,27 @@ class HfModelLoader:
             raise ModelUnavailable(message=f"model {name!r}: cannot load the tokenizer in {path}: {exc}") from exc
         return Checkpoint(name=name, identity=identity, path=path, model=model, tokenizer=tokenizer, config=config)
 
+    def _open(self, name: str) -> tuple[Checkpoint, HfTokenizer]:
+        ckpt = self.load_checkpoint(name)
+        return ckpt, HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
+
+    def load_training_target(self, name: str) -> TrainingTarget:
+        """The model `name` opened for drafter distillation: the mlx-lm module and what its tokenizer knows.
+
+        Raises:
+            ModelUnavailable: see `load_checkpoint`.
+        """
+        ckpt, tokenizer = self._open(name)
+        return TrainingTarget(
+            name=name,
+            identity=ckpt.identity,
+            tokenizer=tokenizer,
+            handle=ckpt.model,
+            tokenizer_size=tokenizer.vocab_size,
+            special_ids=tokenizer.special_ids,
+            reserved_ids=tokenizer.reserved_ids,
+        )
+
     def load_target(self, name: str) -> LoadedModel:
         """The model `name` behind the TargetModel port, with its tokenizer.
 
@@ -299,8 +320,7 @@ class HfModelLoader:
         """
         from mlx_dspark.adapters.mlx.target import MlxTargetModel
 
-        ckpt = self.load_checkpoint(name)
-        tokenizer = HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
+        ckpt, tokenizer = self._open(name)
         return LoadedModel(
             name=name,
             identity=ckpt.identity,

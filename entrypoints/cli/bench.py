@@ -121,7 +121,7 @@ def main(argv: Sequence[str]) -> int:
             temperature=args.temperature,
             seed=args.seed,
             curves=curves,
-            environment=bootstrap.runtime_report() if args.json else {},
+            environment=bootstrap.runtime().report() if args.json else {},
             progress=bar.update,
         )
         bar.close()

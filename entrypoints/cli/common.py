@@ -46,7 +46,7 @@ def settings_from(args: argparse.Namespace, extra: Mapping[str, Any] | None = No
 
 def start(settings: Settings, *, quiet_logs: bool = False) -> Services:
     """Swap the BLAS (before MLX loads), configure logging, wire services."""
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     telemetry = settings.telemetry
     if quiet_logs and telemetry.log_level == "info":
         import attrs

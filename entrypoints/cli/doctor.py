@@ -39,7 +39,7 @@ def main(argv: Sequence[str]) -> int:
     def body() -> int:
         settings = settings_from(args)
         services = start(settings, quiet_logs=True)
-        report: dict[str, Any] = {"runtime": bootstrap.runtime_report(), "packages": installed()}
+        report: dict[str, Any] = {"runtime": bootstrap.runtime().report(), "packages": installed()}
         if not no_curve:
             progress_line(f"loading {settings.model.model} to time verifies")
             model = services.loader.load_target(settings.model.model)

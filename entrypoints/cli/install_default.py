@@ -19,7 +19,8 @@ def main(argv: Sequence[str]) -> int:
     Returns:
         0 on success (also when everything was already installed), 1 when pip failed or a name is unknown.
     """
-    names = bootstrap.named_models()
+    embedded = bootstrap.embedded_models()
+    names = embedded.names()
     p = argparse.ArgumentParser(prog="mlx-dspark install-default", description=__doc__)
     p.add_argument(
         "--model",
@@ -35,7 +36,7 @@ def main(argv: Sequence[str]) -> int:
     models = list(dict.fromkeys(models))
 
     def body() -> int:
-        installed = bootstrap.install_default_models(tuple(models), quiet=args.quiet)
+        installed = embedded.install(models, quiet=args.quiet)
         if not args.quiet:
             what = ", ".join(installed) if installed else "nothing to do, already installed"
             sys.stdout.write(f"mlx-dspark: {' + '.join(models)}: {what}\n")

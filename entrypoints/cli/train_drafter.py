@@ -117,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
         settings = settings_from(argparse.Namespace(**flags))
         facts: dict[str, Any] = {}
         if not args.measure_only:
-            bootstrap.prepare_runtime()
+            bootstrap.runtime().prepare()
             trainer = bootstrap.build_trainer(settings)
             block = args.block_size or (8 if args.kind == "dflash" else 7)
             plan = TrainPlan(
@@ -223,7 +223,7 @@ def bootstrap_runtime() -> str:
 
     from mlx_dspark.application import bootstrap
 
-    info = bootstrap.runtime_report()
+    info = bootstrap.runtime().report()
     return (
         f"{info.get('device_type', info.get('device'))} ({os.cpu_count()} cores, {info.get('platform')}), "
         f"MLX {info.get('mlx_version')}, BLAS {info.get('blas')}"

@@ -69,6 +69,24 @@ class Exchange(Protocol):
         """Sees every event before it is framed (Responses remembers turns for previous_response_id)."""
 
 
+class WireExchange:
+    """The `model` and `streaming` of an exchange whose wire request `wreq` has `model` and `stream` fields."""
+
+    wreq: Any
+
+    @property
+    def model(self) -> str:
+        model: str = self.wreq.model
+        return model
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.wreq.stream)
+
+    def observe(self, event: ChatEvent) -> None:
+        """Most dialects frame events without remembering them."""
+
+
 Begin = Callable[[HttpContext, Any], Exchange]
 
 

@@ -20,17 +20,9 @@ DIALECT = driver.Dialect("anthropic", errors.from_exception, errors.envelope)
 
 
 @attrs.define
-class MessagesExchange:
+class MessagesExchange(driver.WireExchange):
     wreq: wire.MessagesRequest
     message_id: str = attrs.Factory(lambda: new_id("msg_"))
-
-    @property
-    def model(self) -> str:
-        return self.wreq.model
-
-    @property
-    def streaming(self) -> bool:
-        return bool(self.wreq.stream)
 
     def chat_request(self, request_id: str) -> ChatRequest:
         return codec.to_chat_request(self.wreq, request_id=request_id)
@@ -40,9 +32,6 @@ class MessagesExchange:
 
     def body(self, events: Sequence[ChatEvent], prepared: Prepared) -> dict[str, Any]:
         return codec.message_body(events, model=self.model, message_id=self.message_id)
-
-    def observe(self, event: ChatEvent) -> None:
-        pass
 
 
 @post(["/v1/messages", "/messages"], status_code=200)

@@ -22,18 +22,10 @@ DIALECT = driver.Dialect("openai_chat", errors.from_exception, errors.envelope)
 
 
 @attrs.define
-class CompletionExchange:
+class CompletionExchange(driver.WireExchange):
     wreq: wire.ChatCompletionRequest
     completion_id: str = attrs.Factory(lambda: new_id("chatcmpl-"))
     created: int = attrs.Factory(lambda: int(time.time()))
-
-    @property
-    def model(self) -> str:
-        return self.wreq.model
-
-    @property
-    def streaming(self) -> bool:
-        return bool(self.wreq.stream)
 
     def chat_request(self, request_id: str) -> ChatRequest:
         return codec.to_chat_request(self.wreq, request_id=request_id)
@@ -46,9 +38,6 @@ class CompletionExchange:
 
     def body(self, events: Sequence[ChatEvent], prepared: Prepared) -> dict[str, Any]:
         return codec.completion_body(events, model=self.model, completion_id=self.completion_id, created=self.created)
-
-    def observe(self, event: ChatEvent) -> None:
-        pass
 
 
 @post(["/v1/chat/completions", "/chat/completions"], status_code=200)

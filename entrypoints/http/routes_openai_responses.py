@@ -21,7 +21,7 @@ DIALECT = driver.Dialect("openai_responses", errors.from_exception, errors.envel
 
 
 @attrs.define
-class ResponsesExchange:
+class ResponsesExchange(driver.WireExchange):
     """One Responses turn; remembers the finished conversation for a later previous_response_id."""
 
     ctx: support.HttpContext
@@ -31,14 +31,6 @@ class ResponsesExchange:
     _creq: ChatRequest | None = None
     _tool_map: codec.ToolMap | None = None
     _seen: list[ChatEvent] = attrs.Factory(list)
-
-    @property
-    def model(self) -> str:
-        return self.wreq.model
-
-    @property
-    def streaming(self) -> bool:
-        return bool(self.wreq.stream)
 
     def chat_request(self, request_id: str) -> ChatRequest:
         self._creq, self._tool_map = codec.to_chat_request(self.wreq, self.history, request_id=request_id)

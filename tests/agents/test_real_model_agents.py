@@ -38,7 +38,7 @@ RUN_TIMEOUT_S = 600  # a safety net on a loaded machine; a clean 2-core CI machi
 @pytest.fixture(scope="module")
 def real_server() -> Iterator[tuple[int, RecordingApp]]:
     agents_bin()
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     # Codex sends no max_output_tokens: the server's own cap keeps every answer short.
     flags = {"model": "default", "mode": "baseline", "max_tokens_cap": ANSWER_TOKENS}
     settings = load_settings(flags, environ={})

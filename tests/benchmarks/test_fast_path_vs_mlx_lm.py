@@ -32,7 +32,7 @@ PREFILL_TOKENS = 1024
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     settings = load_settings({"cache_dir": str(tmp_path_factory.mktemp("cache"))}, {})
     services = bootstrap.build(settings)
     try:

@@ -73,7 +73,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     from mlx_dspark.adapters.hf.hub import HfModelHub
 
     tmp = tmp_path_factory.mktemp("browser")
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     with serve(fake_hub()) as hub:
         settings = load_settings({"model": "default", "mode": "baseline", "max_draft": "4"}, environ={})
         services = bootstrap.build(settings)

@@ -6,16 +6,12 @@ out; the MLX targets cover a plain KV cache, a sliding window and a gated-DeltaN
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import SamplingParams
-from tests.fakes.oracle import OracleTarget
-from tests.fakes.tiny_models import tiny_model
+from tests.contract.targets import make_target
 
 GREEDY = SamplingParams()
 PROMPT = [3, 9, 4, 1, 12, 7, 2, 15, 6, 11, 5, 8]
@@ -29,15 +25,8 @@ KINDS = {
 }
 
 
-@functools.cache
-def _model(family: str):
-    return tiny_model(family, seed=3)
-
-
 def make(kind: str):
-    if kind == "oracle":
-        return OracleTarget()
-    return MlxTargetModel(_model(kind.removeprefix("mlx-")), capture_layers=(0,))
+    return make_target(kind, (0,))
 
 
 def rows(features) -> int:
@@ -64,10 +53,16 @@ def test_prefill_caches_the_prompt_and_hands_out_its_features_once(kind):
     assert rows(target.take_features()) == 0
 
 
-def test_verify_changes_nothing_until_commit(kind):
+def _prefilled(kind):
+    """A target that has prefilled PROMPT and handed out its features, with its first token."""
     target = make(kind)
     first = target.prefill(PROMPT, GREEDY, 0.5)
     target.take_features()
+    return target, first
+
+
+def test_verify_changes_nothing_until_commit(kind):
+    target, first = _prefilled(kind)
     verdict = target.verify(first, BLOCK, GREEDY, [0.5] * 5)
     assert 0 <= verdict.accepted <= len(BLOCK)
     assert target.cached_tokens == len(PROMPT)
@@ -77,9 +72,7 @@ def test_verify_changes_nothing_until_commit(kind):
 
 
 def test_commit_zero_undoes_a_verify_exactly(kind):
-    target = make(kind)
-    first = target.prefill(PROMPT, GREEDY, 0.5)
-    target.take_features()
+    target, first = _prefilled(kind)
     before = target.verify(first, BLOCK, GREEDY, [0.5] * 5)
     target.commit(0)
     assert target.cached_tokens == len(PROMPT)

@@ -7,8 +7,6 @@ shorter prefix loads only where that cut is exact (plain KV; a sliding window th
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,8 +14,8 @@ import pytest
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock
 from mlx_dspark.domain.tokens import SamplingParams
-from tests.fakes.oracle import OracleTarget
-from tests.fakes.tiny_models import GEMMA_WINDOW, tiny_model
+from tests.contract.targets import make_target, shared_model
+from tests.fakes.tiny_models import GEMMA_WINDOW
 
 GREEDY = SamplingParams()
 PROMPT = [3, 9, 4, 1, 12, 7, 2, 15, 6, 11, 5, 8, 14, 13, 10, 3, 9]
@@ -25,18 +23,8 @@ OTHER = [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13]
 KINDS = ("oracle", "mlx-llama", "mlx-gemma3_text", "mlx-qwen3_5", "mlx-llama-q8")
 
 
-@functools.cache
-def _model(family: str):
-    return tiny_model(family, seed=3)
-
-
 def make(kind: str):
-    if kind == "oracle":
-        return OracleTarget()
-    if kind == "mlx-llama-q8":
-        model = tiny_model("llama", seed=3, head_dim=32)
-        return MlxTargetModel(model, capture_layers=(0, 1), kv_bits=8, kv_group_size=32)
-    return MlxTargetModel(_model(kind.removeprefix("mlx-")), capture_layers=(0, 1))
+    return make_target(kind, (0, 1))
 
 
 def features(target) -> np.ndarray | list:
@@ -123,17 +111,17 @@ def test_min_length_says_where_a_state_can_be_cut(kind):
 
 
 def test_a_state_of_other_capture_layers_is_refused():
-    target = MlxTargetModel(_model("llama"), capture_layers=(0,))
+    target = MlxTargetModel(shared_model("llama"), capture_layers=(0,))
     target.prefill(PROMPT, GREEDY, 0.5)
     state = target.save_state()
-    other = MlxTargetModel(_model("llama"), capture_layers=(1,))
+    other = MlxTargetModel(shared_model("llama"), capture_layers=(1,))
     assert other.load_state(state, len(PROMPT)) == 0
     assert other.cached_tokens == 0
 
 
 def test_saving_copies_nothing():
     """A save shares buffers: memory grows only when the target writes to them later (copy on write)."""
-    target = MlxTargetModel(_model("llama"))
+    target = MlxTargetModel(shared_model("llama"))
     target.prefill(PROMPT, GREEDY, 0.5)
     mx.synchronize()
     before = mx.get_active_memory()

@@ -11,8 +11,27 @@ from mlx_dspark.domain.verification.distribution import sample_index
 from tests.fakes.oracle import OracleTarget
 
 
-class ScriptedDraftSource:
+class _BlockSource:
+    """A draft source of up to `block` drafts per round (named by `name`; reads features if `uses_features`)."""
+
+    name = "block"
+    uses_features = False
+
+    def __init__(self, block: int) -> None:
+        self._block = block
+
+    @property
+    def max_block(self) -> int:
+        return self._block
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        pass
+
+
+class ScriptedDraftSource(_BlockSource):
     """Proposes the oracle's greedy continuation, corrupted where `right(round, slot)` is False."""
+
+    uses_features = True
 
     def __init__(
         self,
@@ -21,25 +40,13 @@ class ScriptedDraftSource:
         block: int = 4,
         name: str = "scripted",
     ) -> None:
+        super().__init__(block)
         self._oracle = oracle
         self._right = right
-        self._block = block
-        self._name = name
+        self.name = name
         self.round = 0
         self.features_seen: list[tuple[int, int]] = []
         self.calls: list[int] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def max_block(self) -> int:
-        return self._block
-
-    @property
-    def uses_features(self) -> bool:
-        return True
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.round = 0
@@ -60,27 +67,18 @@ class ScriptedDraftSource:
             out.append(tok)
             seq.append(tok)
         self.round += 1
-        return DraftBlock(tokens=tuple(out), source=self._name)
+        return DraftBlock(tokens=tuple(out), source=self.name)
 
 
-class RandomDraftSource:
+class RandomDraftSource(_BlockSource):
     """Uniformly random proposals (deterministic q = one-hot)."""
-
-    def __init__(self, vocab: int, block: int = 4, seed: int = 0) -> None:
-        self._vocab = vocab
-        self._block = block
-        self._rng = random.Random(seed)
 
     name = "random"
 
-    @property
-    def max_block(self) -> int:
-        return self._block
-
-    uses_features = False
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        pass
+    def __init__(self, vocab: int, block: int = 4, seed: int = 0) -> None:
+        super().__init__(block)
+        self._vocab = vocab
+        self._rng = random.Random(seed)
 
     def propose(
         self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
@@ -88,23 +86,14 @@ class RandomDraftSource:
         return DraftBlock(tokens=tuple(self._rng.randrange(self._vocab) for _ in range(cap)), source=self.name)
 
 
-class SampledDraftSource:
+class SampledDraftSource(_BlockSource):
     """Samples each draft from a fixed proposal q(prefix) and reports q (a stochastic drafter)."""
-
-    def __init__(self, q_fn: Callable[[Sequence[int]], list[float]], block: int = 3) -> None:
-        self._q_fn = q_fn
-        self._block = block
 
     name = "sampled"
 
-    @property
-    def max_block(self) -> int:
-        return self._block
-
-    uses_features = False
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        pass
+    def __init__(self, q_fn: Callable[[Sequence[int]], list[float]], block: int = 3) -> None:
+        super().__init__(block)
+        self._q_fn = q_fn
 
     def propose(
         self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]

@@ -51,6 +51,7 @@ class OracleTarget:
         rows: tokens whose rows are in the cache, in order.
         trims: how many rows each commit rolled back (for assertions).
         calls: (drafts, uniforms, ahead) of every verify, in order.
+        blocks: every verified row list [anchor, drafts...], in order.
         captures: the `capture` flag of every reset.
     """
 
@@ -61,15 +62,14 @@ class OracleTarget:
         rollback: RollbackKind = RollbackKind.TRIM,
         logits_fn: Any = None,
     ) -> None:
-        self._vocab = vocab
-        self._context = context
-        self._rollback = rollback
+        self.vocab_size = vocab
+        self.rollback_kind = rollback
         self._logits_fn = logits_fn or (lambda prefix: oracle_logits(prefix, vocab, context))
         self.rows: list[int] = []
         self._pending: list[int] = []
         self._feature_rows: list[tuple[int, int]] = []
         self.trims: list[int] = []
-        self.verify_widths: list[int] = []
+        self.blocks: list[tuple[int, ...]] = []
         self.calls: list[tuple[int, tuple[float, ...], float | None]] = []
         self.captures: list[bool] = []
         self.saves = 0
@@ -86,14 +86,6 @@ class OracleTarget:
         for _ in range(n):
             seq.append(self.greedy_next(seq))
         return seq[len(prefix) :]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def rollback_kind(self) -> RollbackKind:
-        return self._rollback
 
     @property
     def cached_tokens(self) -> int:
@@ -113,7 +105,11 @@ class OracleTarget:
     def _pick(self, prefix: Sequence[int], sampling: SamplingParams, u: float) -> int:
         return sample_index(distribution(self.logits(prefix), sampling), u)
 
+    def charge(self, width: int) -> None:
+        """Called before every forward of `width` rows over the cached ones (timed fakes charge for it)."""
+
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
+        self.charge(len(tokens))
         start = len(self.rows)
         self.rows.extend(tokens)
         self._feature_rows.extend((start + i, t) for i, t in enumerate(tokens))
@@ -130,7 +126,7 @@ class OracleTarget:
 
     def save_state(self) -> OracleState:
         self.saves += 1
-        trimmable = self._rollback is RollbackKind.TRIM
+        trimmable = self.rollback_kind is RollbackKind.TRIM
         return OracleState(rows=tuple(self.rows), min_length=0 if trimmable else len(self.rows))
 
     def load_state(self, state: OracleState, keep: int) -> int:
@@ -153,7 +149,8 @@ class OracleTarget:
     ) -> Acceptance:
         self.calls.append((len(block), tuple(uniforms), ahead))
         rows = [anchor, *block.tokens]
-        self.verify_widths.append(len(rows))
+        self.charge(len(rows))
+        self.blocks.append(tuple(rows))
         self._pending = rows
         base = list(self.rows)
         logits = [self.logits([*base, *rows[: i + 1]]) for i in range(len(rows))]

@@ -140,31 +140,21 @@ def _run(server: LiveServer, client: httpx.Client, path: str, body: Any, respond
     check_answer(path, r, streamed)
 
 
+GENERATION_BODIES = {
+    "/v1/chat/completions": chat.body(chat_wire.ChatCompletionRequest, tools=_with_tools("/v1/chat/completions")),
+    "/v1/responses": responses.body(responses_wire.ResponsesRequest, tools=_with_tools("/v1/responses")),
+    "/v1/messages": anthropic.body(anthropic_wire.MessagesRequest, tools=_with_tools("/v1/messages")),
+}
+
+
+@pytest.mark.parametrize("path", list(GENERATION_BODIES))
 @examples(700)
-@given(
-    body=chat.body(chat_wire.ChatCompletionRequest, tools=_with_tools("/v1/chat/completions")),
-    responder=st.sampled_from(RESPONDERS),
-)
-def test_chat_completions(server: LiveServer, client: httpx.Client, body: Any, responder: Any) -> None:
-    _run(server, client, "/v1/chat/completions", body, responder)
-
-
-@examples(700)
-@given(
-    body=responses.body(responses_wire.ResponsesRequest, tools=_with_tools("/v1/responses")),
-    responder=st.sampled_from(RESPONDERS),
-)
-def test_responses(server: LiveServer, client: httpx.Client, body: Any, responder: Any) -> None:
-    _run(server, client, "/v1/responses", body, responder)
-
-
-@examples(700)
-@given(
-    body=anthropic.body(anthropic_wire.MessagesRequest, tools=_with_tools("/v1/messages")),
-    responder=st.sampled_from(RESPONDERS),
-)
-def test_anthropic_messages(server: LiveServer, client: httpx.Client, body: Any, responder: Any) -> None:
-    _run(server, client, "/v1/messages", body, responder)
+@given(data=st.data(), responder=st.sampled_from(RESPONDERS))
+def test_generation_routes(
+    server: LiveServer, client: httpx.Client, path: str, data: st.DataObject, responder: Any
+) -> None:
+    """Each dialect's generation route, on bodies drawn from its wire types."""
+    _run(server, client, path, data.draw(GENERATION_BODIES[path], label="body"), responder)
 
 
 @examples(300)

@@ -139,18 +139,10 @@ def _text(content: str | list[wire.ContentPart] | None, where: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    out = []
-    for j, p in enumerate(content):
-        if isinstance(p, wire.TextPart):
-            out.append(p.text)
-        elif isinstance(p, wire.RefusalPart):
-            out.append(p.refusal)
-        else:
-            raise InvalidRequest(
-                message=f"image, audio and file input are not supported by this text-only model ({where}.content.{j})",
-                param=f"{where}.content.{j}",
-            )
-    return "".join(out)
+    parts = common.part_texts(
+        content, text=wire.TextPart, refusal=wire.RefusalPart, refused="image, audio and file", where=f"{where}.content"
+    )
+    return "".join(parts)
 
 
 def _thinking(req: wire.ChatCompletionRequest) -> bool | None:
@@ -163,21 +155,20 @@ def _thinking(req: wire.ChatCompletionRequest) -> bool | None:
 
 
 def _tool_choice(choice: Any) -> ToolChoice:
-    named = common.named_tool_choice(choice)
-    if named is not None:
-        return named
-    if isinstance(choice, dict):
-        kind = choice.get("type")
-        inner = choice.get(kind) if isinstance(kind, str) else None  # {"type": "function", "function": {name}}
-        if kind in ("function", "custom") and isinstance(inner, dict) and isinstance(inner.get("name"), str):
-            return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=inner["name"])
-        if kind == "allowed_tools" and isinstance(inner, dict):
-            return common.allowed_tool_choice(
-                inner.get("mode"),
-                inner.get("tools"),
-                lambda t: (t.get("function") or t.get("custom") or {}).get("name"),
-            )
-    raise InvalidRequest(message=f"unsupported tool_choice {choice!r}", param="tool_choice")
+    return common.openai_tool_choice(choice, _tool_choice_object)
+
+
+def _tool_choice_object(choice: dict[str, Any], kind: Any) -> ToolChoice | None:
+    inner = choice.get(kind) if isinstance(kind, str) else None  # {"type": "function", "function": {name}}
+    if kind in ("function", "custom") and isinstance(inner, dict) and isinstance(inner.get("name"), str):
+        return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=inner["name"])
+    if kind == "allowed_tools" and isinstance(inner, dict):
+        return common.allowed_tool_choice(
+            inner.get("mode"),
+            inner.get("tools"),
+            lambda t: (t.get("function") or t.get("custom") or {}).get("name"),
+        )
+    return None
 
 
 def usage_json(usage: ChatUsage) -> dict[str, Any]:

@@ -9,14 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_dspark.adapters.api import common
-from mlx_dspark.domain.errors import (
-    CapacityExceeded,
-    ContextTooLong,
-    DomainError,
-    InvalidRequest,
-    ModelUnavailable,
-    Overloaded,
-)
+from mlx_dspark.domain.errors import ContextTooLong
 
 envelope = common.openai_envelope
 
@@ -30,16 +23,7 @@ def context_message(exc: ContextTooLong) -> str:
 
 def from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """Status and body for an error raised while handling a request."""
-    if isinstance(exc, ContextTooLong):
-        return 400, envelope(400, context_message(exc), param="messages", code="context_length_exceeded")
-    if isinstance(exc, InvalidRequest):
-        return 400, envelope(400, exc.message, param=exc.param)
-    if isinstance(exc, ModelUnavailable):
-        return 404, envelope(404, exc.message, param="model", code="model_not_found")
-    if isinstance(exc, Overloaded):
-        return 429, envelope(429, exc.message, code="rate_limit_exceeded")
-    if isinstance(exc, CapacityExceeded):
-        return 503, envelope(503, exc.message, code="server_overloaded")
-    if isinstance(exc, DomainError):
-        return 500, envelope(500, exc.message)
-    return 500, envelope(500, "internal server error")
+    status, message, param, code = common.openai_classify(
+        exc, context=lambda e: (context_message(e), "messages"), overloaded_code="server_overloaded", server_code=None
+    )
+    return status, envelope(status, message, param=param, code=code)

@@ -131,17 +131,9 @@ def _refuse_logprobs(req: wire.ResponsesRequest) -> None:
 def _part_text(content: str | list[wire.Part], where: str) -> str:
     if isinstance(content, str):
         return content
-    out = []
-    for j, p in enumerate(content):
-        if isinstance(p, wire.InputText | wire.OutputText):
-            out.append(p.text)
-        elif isinstance(p, wire.Refusal):
-            out.append(p.refusal)
-        else:
-            raise InvalidRequest(
-                message=f"image and file input are not supported by this text-only model ({where}.{j})",
-                param=f"{where}.{j}",
-            )
+    out = common.part_texts(
+        content, text=wire.InputText | wire.OutputText, refusal=wire.Refusal, refused="image and file", where=where
+    )
     return "\n\n".join(out) if all(isinstance(p, wire.InputText) for p in content) else "".join(out)
 
 
@@ -268,21 +260,19 @@ def _freeform(name: str, description: str, fmt: Any) -> ToolSpec:
 
 
 def _tool_choice(choice: Any) -> ToolChoice:
-    named = common.named_tool_choice(choice)
-    if named is not None:
-        return named
-    if isinstance(choice, dict):
-        kind = choice.get("type")
-        if kind in ("function", "custom") and isinstance(choice.get("name"), str):
-            return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice["name"])
-        if kind == "allowed_tools":
-            return common.allowed_tool_choice(choice.get("mode"), choice.get("tools"), lambda t: t.get("name"))
-        if isinstance(kind, str):
-            raise InvalidRequest(
-                message=f"tool_choice {kind!r} names a hosted tool, which this server cannot run",
-                param="tool_choice",
-            )
-    raise InvalidRequest(message=f"unsupported tool_choice {choice!r}", param="tool_choice")
+    return common.openai_tool_choice(choice, _tool_choice_object)
+
+
+def _tool_choice_object(choice: dict[str, Any], kind: Any) -> ToolChoice | None:
+    if kind in ("function", "custom") and isinstance(choice.get("name"), str):
+        return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice["name"])
+    if kind == "allowed_tools":
+        return common.allowed_tool_choice(choice.get("mode"), choice.get("tools"), lambda t: t.get("name"))
+    if isinstance(kind, str):
+        raise InvalidRequest(
+            message=f"tool_choice {kind!r} names a hosted tool, which this server cannot run", param="tool_choice"
+        )
+    return None
 
 
 def usage_json(usage: ChatUsage) -> dict[str, Any]:

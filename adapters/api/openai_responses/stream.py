@@ -47,6 +47,10 @@ class ResponseStream:
         self._seq += 1
         return sse(frame, event=kind)
 
+    def _item_ev(self, kind: str, **data: Any) -> bytes:
+        """An event about the open output item (it carries the item's id and output index)."""
+        return self._ev(kind, item_id=self._item_id, output_index=self._index, **data)
+
     def _response(self, status: str, **extra: Any) -> dict[str, Any]:
         return codec.response_json(
             self._req, response_id=self.response_id, created_at=self._created, status=status, **extra
@@ -116,48 +120,27 @@ class ResponseStream:
             if self._item is None or self._item["type"] != "reasoning":
                 out += self._open({"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress"})
                 out.append(
-                    self._ev(
+                    self._item_ev(
                         "response.reasoning_summary_part.added",
-                        item_id=self._item_id,
-                        output_index=self._index,
                         summary_index=0,
                         part={"type": "summary_text", "text": ""},
                     )
                 )
             self._text.append(event.text)
-            out.append(
-                self._ev(
-                    "response.reasoning_summary_text.delta",
-                    item_id=self._item_id,
-                    output_index=self._index,
-                    summary_index=0,
-                    delta=event.text,
-                )
-            )
+            out.append(self._item_ev("response.reasoning_summary_text.delta", summary_index=0, delta=event.text))
         elif isinstance(event, TextDelta):
             if self._item is None or self._item["type"] != "message":
                 item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress"}
                 out += self._open({**item, "content": []})
                 out.append(
-                    self._ev(
+                    self._item_ev(
                         "response.content_part.added",
-                        item_id=self._item_id,
-                        output_index=self._index,
                         content_index=0,
                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                     )
                 )
             self._text.append(event.text)
-            out.append(
-                self._ev(
-                    "response.output_text.delta",
-                    item_id=self._item_id,
-                    output_index=self._index,
-                    content_index=0,
-                    delta=event.text,
-                    logprobs=[],
-                )
-            )
+            out.append(self._item_ev("response.output_text.delta", content_index=0, delta=event.text, logprobs=[]))
         elif isinstance(event, ToolCallStart):
             call_id = f"call_{event.id}"
             if event.name in self._tools.custom:
@@ -172,25 +155,11 @@ class ResponseStream:
         elif isinstance(event, ToolCallArgsDelta):
             self._text.append(event.delta)
             if self._item is not None and self._item["type"] == "function_call":
-                out.append(
-                    self._ev(
-                        "response.function_call_arguments.delta",
-                        item_id=self._item_id,
-                        output_index=self._index,
-                        delta=event.delta,
-                    )
-                )
+                out.append(self._item_ev("response.function_call_arguments.delta", delta=event.delta))
             elif self._item is not None and self._custom is not None:
                 piece = self._custom.feed(event.delta)
                 if piece:
-                    out.append(
-                        self._ev(
-                            "response.custom_tool_call_input.delta",
-                            item_id=self._item_id,
-                            output_index=self._index,
-                            delta=piece,
-                        )
-                    )
+                    out.append(self._item_ev("response.custom_tool_call_input.delta", delta=piece))
         elif isinstance(event, ToolCallEnd):
             out += self._close()
         elif isinstance(event, TurnFinished):

@@ -13,12 +13,13 @@ Two ways in: a pure forward (`DrafterBackbone.hidden`, explicit positions and ma
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from mlx_dspark.adapters.mlx.drafters.checkpoint import load_strict, prepare
 from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
 
 Positions = int | mx.array
@@ -124,6 +125,36 @@ class DrafterBackbone(nn.Module):
     @property
     def dtype(self) -> mx.Dtype:
         return self.norm.weight.dtype
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: Any,
+        weights: Mapping[str, mx.array],
+        target_model: nn.Module,
+        *,
+        bits: int | None = 0,
+        dtype: mx.Dtype | None = None,
+        where: str = "drafter",
+    ) -> Self:
+        """Build, check against the target, load strictly, then cast/quantize.
+
+        Raises:
+            IncompatibleDrafter: the drafter does not fit `target_model`.
+            ModelUnavailable: missing/unexpected tensors or wrong shapes.
+        """
+        drafter, tensors = cls.assemble(config, weights, target_model, where=where)
+        load_strict(drafter, tensors, where=where)
+        prepare(drafter, bits=bits, dtype=dtype)
+        drafter.freeze()
+        return drafter
+
+    @classmethod
+    def assemble(
+        cls, config: Any, weights: Mapping[str, mx.array], target_model: nn.Module, *, where: str
+    ) -> tuple[Self, Mapping[str, mx.array]]:
+        """The drafter of `config` bound to `target_model` (checked to fit it), and the tensors to load into it."""
+        raise NotImplementedError
 
     def fuse(self, features: mx.array) -> mx.array:
         """hidden_norm(fc(features)): concatenated target features [.., m·H_t] → context rows [.., H]."""

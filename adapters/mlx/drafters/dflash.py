@@ -15,7 +15,7 @@ from mlx import nn
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
-from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target, load_strict, prepare
+from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
 from mlx_dspark.adapters.mlx.drafters.config import DFlashConfig
 from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
@@ -89,22 +89,9 @@ class DFlashDrafter(DrafterBackbone, heads.DraftVocabulary):
         return self.logits(self.block_hidden(block_ids, context_features, positions, context_positions, masks))
 
     @classmethod
-    def from_weights(
-        cls,
-        config: DFlashConfig,
-        weights: Mapping[str, mx.array],
-        target_model: nn.Module,
-        *,
-        bits: int | None = 0,
-        dtype: mx.Dtype | None = None,
-        where: str = "DFlash drafter",
-    ) -> DFlashDrafter:
-        """Build, check against the target, load strictly, then cast/quantize.
-
-        Raises:
-            IncompatibleDrafter: the drafter does not fit `target_model`.
-            ModelUnavailable: missing/unexpected tensors or wrong shapes.
-        """
+    def assemble(
+        cls, config: DFlashConfig, weights: Mapping[str, mx.array], target_model: nn.Module, *, where: str
+    ) -> tuple[DFlashDrafter, Mapping[str, mx.array]]:
         check_fits_target(config.backbone, target_model, uses_target_vocab=True, where=where)
         vocab = model_parts.vocab_size(target_model)
         d2t = heads.checked_d2t(weights, config.draft_vocab_size, vocab, where=where)
@@ -119,10 +106,7 @@ class DFlashDrafter(DrafterBackbone, heads.DraftVocabulary):
         if d2t is not None and "lm_head.weight" not in weights:
             # This project's reduced heads ship no rows: they are the target head's rows of the d2t ids.
             weights["lm_head.weight"] = model_parts.head_rows(target_model, heads.mapped_ids(d2t))
-        load_strict(drafter, weights, where=where)
-        prepare(drafter, bits=bits, dtype=dtype)
-        drafter.freeze()
-        return drafter
+        return drafter, weights
 
 
 class DFlashDraftSource(BackboneDraftSource):

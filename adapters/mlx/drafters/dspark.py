@@ -20,7 +20,7 @@ from mlx import nn
 from mlx_dspark.adapters.mlx import model_parts
 from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
-from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target, load_strict, prepare
+from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
 from mlx_dspark.adapters.mlx.drafters.config import DSparkConfig
 from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
@@ -184,22 +184,9 @@ class DSparkDrafter(DrafterBackbone, heads.DraftVocabulary):
         return self.corrected(self.base_logits(h), prev_emb), self.confidence_logit(h, prev_emb)
 
     @classmethod
-    def from_weights(
-        cls,
-        config: DSparkConfig,
-        weights: Mapping[str, mx.array],
-        target_model: nn.Module,
-        *,
-        bits: int | None = 0,
-        dtype: mx.Dtype | None = None,
-        where: str = "DSpark drafter",
-    ) -> DSparkDrafter:
-        """Build, check against the target, load strictly, then cast/quantize.
-
-        Raises:
-            IncompatibleDrafter: the drafter does not fit `target_model`.
-            ModelUnavailable: missing/unexpected tensors or wrong shapes.
-        """
+    def assemble(
+        cls, config: DSparkConfig, weights: Mapping[str, mx.array], target_model: nn.Module, *, where: str
+    ) -> tuple[DSparkDrafter, Mapping[str, mx.array]]:
         own_embedding = "embed_tokens.weight" in weights
         weights = dict(weights)
         if "d2t" in weights and "lm_head.weight" not in weights:
@@ -233,10 +220,7 @@ class DSparkDrafter(DrafterBackbone, heads.DraftVocabulary):
             confidence_bias="confidence_head.proj.bias" in weights,
             d2t=d2t,
         )
-        load_strict(drafter, {k: v for k, v in weights.items() if k != "d2t"}, where=where)
-        prepare(drafter, bits=bits, dtype=dtype)
-        drafter.freeze()
-        return drafter
+        return drafter, {k: v for k, v in weights.items() if k != "d2t"}
 
 
 class DSparkDraftSource(BackboneDraftSource):

@@ -18,9 +18,9 @@ from tests.integration.calibration.timed_fakes import (
     MemoryStore,
     TimedSource,
     TimedTarget,
-    flat,
     linear,
     loaded,
+    timed_target,
 )
 
 PLAN = CalibrationPlan(depth=32, deep_depth=96, repeats=2, overhead_tokens=4)
@@ -28,9 +28,7 @@ GREEDY = SamplingParams()
 
 
 def setup(cost=None):  # type: ignore[no-untyped-def]
-    clock = ManualClock()
-    target = TimedTarget(clock, cost or flat(0.05))
-    return clock, target
+    return timed_target(cost)
 
 
 def test_race_picks_the_faster_source_and_caches_it() -> None:

@@ -13,21 +13,19 @@ from mlx_dspark.application.calibration import (
 from mlx_dspark.domain.costmodel.curves import best_cap
 from tests.integration.calibration.timed_fakes import (
     ConstantTokenizer,
-    ManualClock,
     MemoryStore,
     TimedSource,
-    TimedTarget,
     flat,
     linear,
     loaded,
+    timed_target,
 )
 
 PLAN = CalibrationPlan(depth=32, deep_depth=160, repeats=3, overhead_tokens=4)
 
 
 def test_curves_follow_the_costs_the_fakes_charge() -> None:
-    clock = ManualClock()
-    target = TimedTarget(clock, flat(0.05, per_depth=1e-4))
+    clock, target = timed_target(flat(0.05, per_depth=1e-4))
     source = TimedSource(target, lambda cap: 0.002 * cap, block=7, name="fast")
     progress: list[tuple[str, float]] = []
     curves = calibrate_sources(
@@ -53,8 +51,7 @@ def test_curves_follow_the_costs_the_fakes_charge() -> None:
 
 def test_measured_curves_drive_the_decision() -> None:
     for cost, expect_zero in ((linear(0.05), True), (flat(0.05), False)):
-        clock = ManualClock()
-        target = TimedTarget(clock, cost)
+        clock, target = timed_target(cost)
         source = TimedSource(target, lambda cap: 0.001 * cap, block=7)
         c = calibrate_sources(loaded(target), {"s": source}, clock, plan=PLAN)["s"]
         cap = best_cap(c, [0.9] * 7, 7)
@@ -62,8 +59,7 @@ def test_measured_curves_drive_the_decision() -> None:
 
 
 def test_never_times_a_constant_token_stream() -> None:
-    clock = ManualClock()
-    target = TimedTarget(clock, flat())
+    clock, target = timed_target(flat())
     source = TimedSource(target, lambda cap: 0.001, block=7)
     # Even a tokenizer that turns every text into one repeated id gets a varied stream.
     calibrate_sources(loaded(target, tokenizer=ConstantTokenizer()), {"s": source}, clock, plan=PLAN)
@@ -86,8 +82,7 @@ def test_realistic_stream_prefers_the_tokenizer_text() -> None:
 
 
 def test_feature_sources_get_the_prefill_features_once() -> None:
-    clock = ManualClock()
-    target = TimedTarget(clock, flat())
+    clock, target = timed_target(flat())
     source = TimedSource(target, lambda cap: 0.001, block=3, features=True)
     calibrate_sources(loaded(target), {"s": source}, clock, plan=PLAN)
     with_features = [ctx for ctx in source.proposed_contexts if ctx.features]
@@ -100,8 +95,7 @@ def test_wide_blocks_measure_a_subset_of_widths() -> None:
 
 
 def test_curves_are_cached_in_the_store() -> None:
-    clock = ManualClock()
-    target = TimedTarget(clock, flat())
+    clock, target = timed_target(flat())
     source = TimedSource(target, lambda cap: 0.001, block=4, name="s")
     store = MemoryStore()
     model = loaded(target)

@@ -20,7 +20,7 @@ PLAN = CalibrationPlan(depth=16, deep_depth=48, warmup=1, repeats=1, overhead_to
 
 
 def test_calibrate_and_choose_on_the_default_model(tmp_path: Path) -> None:
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     settings = load_settings({"model": "default", "cache_dir": str(tmp_path)}, environ={})
     services = bootstrap.build(settings)
     model = services.loader.load_target("default")

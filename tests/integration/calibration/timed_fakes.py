@@ -10,32 +10,23 @@ from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.model import ChatMessages, TemplateVars, ToolSpecs
 from mlx_dspark.domain.tokens import SamplingParams
-from mlx_dspark.domain.verification.outcome import Acceptance
+from tests.fakes.clock import FakeClock
 from tests.fakes.drafts import ScriptedDraftSource
 from tests.fakes.oracle import OracleTarget
 
 
-class ManualClock:
+class ManualClock(FakeClock):
     """Time moves only when a fake charges for work (plus an optional tiny tick per reading)."""
 
     def __init__(self, tick: float = 0.0) -> None:
-        self.t = 0.0
-        self.tick = tick
-
-    def now(self) -> float:
-        self.t += self.tick
-        return self.t
+        super().__init__(tick)
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
 
 
 class TimedTarget(OracleTarget):
-    """An oracle target that charges `verify_cost(width, depth)` seconds per verify.
-
-    Attributes:
-        blocks: every verified row list [anchor, drafts...], for assertions about what was timed.
-    """
+    """An oracle target that charges `verify_cost(width, depth)` seconds per forward (prefill and verify)."""
 
     def __init__(
         self,
@@ -47,24 +38,17 @@ class TimedTarget(OracleTarget):
         super().__init__(vocab=vocab, context=context)
         self.clock = clock
         self.verify_cost = verify_cost
-        self.blocks: list[tuple[int, ...]] = []
 
-    def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
-        self.clock.advance(self.verify_cost(len(tokens), len(self.rows)))
-        return super().prefill(tokens, sampling, uniform)
+    def charge(self, width: int) -> None:
+        self.clock.advance(self.verify_cost(width, len(self.rows)))
 
-    def verify(
-        self,
-        anchor: int,
-        block: DraftBlock,
-        sampling: SamplingParams,
-        uniforms: Sequence[float],
-        *,
-        ahead: float | None = None,
-    ) -> Acceptance:
-        self.blocks.append((anchor, *block.tokens))
-        self.clock.advance(self.verify_cost(len(block) + 1, len(self.rows)))
-        return super().verify(anchor, block, sampling, uniforms, ahead=ahead)
+
+def timed_target(
+    cost: Callable[[int, int], float] | None = None, vocab: int = 64
+) -> tuple[ManualClock, TimedTarget]:
+    """A fresh manual clock and a timed target charging on it (`flat(0.05)` unless given)."""
+    clock = ManualClock()
+    return clock, TimedTarget(clock, cost or flat(0.05), vocab=vocab)
 
 
 class TimedSource(ScriptedDraftSource):

@@ -19,7 +19,7 @@ USER = [{"role": "user", "content": "Say hi."}]
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     settings = load_settings({"model": "default", "mode": "baseline"}, environ={})
     app = create_app(bootstrap.build(settings), settings)
     for base, _ in _serve(app):

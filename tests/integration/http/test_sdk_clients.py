@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import anthropic
 import httpx
@@ -47,14 +48,19 @@ def test_chat_stream_text_with_usage(oai: openai.OpenAI) -> None:
     assert final.usage is not None and final.usage.prompt_tokens > 0
 
 
-def test_chat_stream_tool_call_then_result(live: LiveServer, oai: openai.OpenAI) -> None:
-    live.script(scripts.tool)
+def _final_completion(live: LiveServer, oai: openai.OpenAI, script: Any) -> Any:
+    """The streamed chat completion of `script`'s reply to USER with the shell tool offered."""
+    live.script(script)
     with oai.chat.completions.stream(
         model="local-model",
         messages=USER,
         tools=[scripts.SHELL_TOOL_OPENAI],  # type: ignore[arg-type, list-item]
     ) as stream:
-        final = stream.get_final_completion()
+        return stream.get_final_completion()
+
+
+def test_chat_stream_tool_call_then_result(live: LiveServer, oai: openai.OpenAI) -> None:
+    final = _final_completion(live, oai, scripts.tool)
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
@@ -70,13 +76,7 @@ def test_chat_stream_tool_call_then_result(live: LiveServer, oai: openai.OpenAI)
 
 
 def test_chat_parallel_calls(live: LiveServer, oai: openai.OpenAI) -> None:
-    live.script(scripts.parallel)
-    with oai.chat.completions.stream(
-        model="local-model",
-        messages=USER,
-        tools=[scripts.SHELL_TOOL_OPENAI],  # type: ignore[arg-type, list-item]
-    ) as stream:
-        final = stream.get_final_completion()
+    final = _final_completion(live, oai, scripts.parallel)
     args = [json.loads(c.function.arguments) for c in final.choices[0].message.tool_calls or []]  # type: ignore[union-attr]
     assert args == [{"command": "echo one"}, {"command": "echo two"}]
 
@@ -193,6 +193,13 @@ def test_responses_max_output_tokens_and_overflow(live: LiveServer, oai: openai.
 # ---- Anthropic Messages ---------------------------------------------------------------------------------
 
 
+def _final_message(live: LiveServer, ant: anthropic.Anthropic, script: Any, **kw: Any) -> Any:
+    """The streamed Anthropic message of `script`'s reply to USER (the SDK assembles it from the events)."""
+    live.script(script)
+    with ant.messages.stream(model="local-model", max_tokens=200, messages=USER, **kw) as stream:  # type: ignore[arg-type]
+        return stream.get_final_message()
+
+
 def test_messages_text_and_stream(ant: anthropic.Anthropic) -> None:
     m = ant.messages.create(model="local-model", max_tokens=100, messages=USER)  # type: ignore[arg-type]
     assert m.content[0].text == "Hello from the scripted model." and m.stop_reason == "end_turn"  # type: ignore[union-attr]
@@ -203,14 +210,7 @@ def test_messages_text_and_stream(ant: anthropic.Anthropic) -> None:
 
 
 def test_messages_tool_use_round_trip(live: LiveServer, ant: anthropic.Anthropic) -> None:
-    live.script(scripts.tool)
-    with ant.messages.stream(
-        model="local-model",
-        max_tokens=200,
-        messages=USER,
-        tools=[scripts.SHELL_TOOL_ANTHROPIC],  # type: ignore[arg-type, list-item]
-    ) as stream:
-        final = stream.get_final_message()
+    final = _final_message(live, ant, scripts.tool, tools=[scripts.SHELL_TOOL_ANTHROPIC])
     assert final.stop_reason == "tool_use"
     use = next(b for b in final.content if b.type == "tool_use")
     assert use.name == "shell" and use.input == {"command": "echo hi"} and use.id.startswith("toolu_")
@@ -227,14 +227,7 @@ def test_messages_tool_use_round_trip(live: LiveServer, ant: anthropic.Anthropic
 
 
 def test_messages_parallel_tool_use(live: LiveServer, ant: anthropic.Anthropic) -> None:
-    live.script(scripts.parallel)
-    with ant.messages.stream(
-        model="local-model",
-        max_tokens=200,
-        messages=USER,
-        tools=[scripts.SHELL_TOOL_ANTHROPIC],  # type: ignore[arg-type, list-item]
-    ) as stream:
-        final = stream.get_final_message()
+    final = _final_message(live, ant, scripts.parallel, tools=[scripts.SHELL_TOOL_ANTHROPIC])
     assert [b.input for b in final.content if b.type == "tool_use"] == [
         {"command": "echo one"},
         {"command": "echo two"},
@@ -242,14 +235,7 @@ def test_messages_parallel_tool_use(live: LiveServer, ant: anthropic.Anthropic) 
 
 
 def test_messages_thinking_round_trips_signature(live: LiveServer, ant: anthropic.Anthropic) -> None:
-    live.script(scripts.thinking)
-    with ant.messages.stream(
-        model="local-model",
-        max_tokens=200,
-        messages=USER,
-        thinking={"type": "enabled", "budget_tokens": 100},  # type: ignore[arg-type]
-    ) as stream:
-        final = stream.get_final_message()
+    final = _final_message(live, ant, scripts.thinking, thinking={"type": "enabled", "budget_tokens": 100})
     block = final.content[0]
     assert block.type == "thinking" and block.thinking == "Let me think about this." and block.signature
     assert final.content[1].text == "The answer is 4."  # type: ignore[union-attr]

@@ -55,9 +55,9 @@ def test_rows_stop_mid_way_and_rows_are_refilled(case: dict[str, Any]) -> None:
     assert len({len(p) for p in case["prompts"]}) > 10  # mixed prompt lengths
 
 
-@pytest.mark.parametrize("batch", [1, 4, 7, 32])
-def test_every_row_equals_single_sequence_greedy(case: dict[str, Any], batch: int) -> None:
-    got = generate_responses(
+def _greedy_batch(case: dict[str, Any], batch: int = 5, **kw: Any) -> list[list[int] | None]:
+    """The case's prompts, greedy, `batch` rows at a time."""
+    return generate_responses(
         case["model"],
         case["prompts"],
         eos_ids=sorted(case["eos"]),
@@ -65,8 +65,13 @@ def test_every_row_equals_single_sequence_greedy(case: dict[str, Any], batch: in
         batch=batch,
         temperatures=[0.0] * len(case["prompts"]),
         seed=0,
-        refill_min=1 if batch < 8 else 3,
+        **kw,
     )
+
+
+@pytest.mark.parametrize("batch", [1, 4, 7, 32])
+def test_every_row_equals_single_sequence_greedy(case: dict[str, Any], batch: int) -> None:
+    got = _greedy_batch(case, batch, refill_min=1 if batch < 8 else 3)
     assert got == case["ref"]
 
 
@@ -79,16 +84,7 @@ def _poisoned_alloc(self: RowCache, like_k: mx.array, like_v: mx.array, batch: i
 def test_no_row_attends_to_padding_or_stale_keys(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Unwritten cache slots hold huge values: any attention weight on them changes the output."""
     monkeypatch.setattr(RowCache, "_alloc", _poisoned_alloc)
-    got = generate_responses(
-        case["model"],
-        case["prompts"],
-        eos_ids=sorted(case["eos"]),
-        max_new_tokens=28,
-        batch=5,
-        temperatures=[0.0] * len(case["prompts"]),
-        seed=0,
-        refill_min=2,
-    )
+    got = _greedy_batch(case, refill_min=2)
     assert got == case["ref"]
 
 
@@ -102,15 +98,7 @@ def test_the_poison_catches_a_mask_that_lets_padding_in(case: dict[str, Any], mo
         return None  # attend to the whole span, padding included
 
     monkeypatch.setattr(RowCache, "make_mask", leaky)
-    got = generate_responses(
-        case["model"],
-        case["prompts"],
-        eos_ids=sorted(case["eos"]),
-        max_new_tokens=28,
-        batch=5,
-        temperatures=[0.0] * len(case["prompts"]),
-        seed=0,
-    )
+    got = _greedy_batch(case)
     assert got != case["ref"]
 
 

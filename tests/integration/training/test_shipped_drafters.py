@@ -23,7 +23,7 @@ GREEDY_TOKENS = 24  # enough for several rounds per prompt; the 128-token measur
 
 @pytest.fixture(scope="module")
 def services_and_model() -> tuple[Any, Any]:
-    bootstrap.prepare_runtime()
+    bootstrap.runtime().prepare()
     services = bootstrap.build(load_settings({}))
     return services, services.loader.load_target("default")
 

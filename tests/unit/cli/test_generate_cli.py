@@ -9,7 +9,6 @@ import io
 import json
 import os
 import pty
-import select
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from mlx_dspark.application import bootstrap
 from mlx_dspark.entrypoints.cli import generate
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.fakes.scripted import ScriptedLoader
+from tests.unit.cli.terminal import read_pty
 
 REPLY = "Streaming, one piece at a time."
 
@@ -33,20 +33,6 @@ def loader(monkeypatch: pytest.MonkeyPatch) -> ScriptedLoader:
     )
     monkeypatch.setattr(bootstrap, "build", build)
     return fake
-
-
-def _read(master: int, timeout: float = 0.5) -> bytes:
-    out = b""
-    while select.select([master], [], [], timeout)[0]:
-        try:
-            data = os.read(master, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        out += data
-        timeout = 0.1
-    return out
 
 
 @contextlib.contextmanager
@@ -78,12 +64,12 @@ def test_text_streams_to_a_terminal_as_it_is_produced(loader: ScriptedLoader) ->
         run.start()
         try:
             assert loader.target.reached_gate.wait(30)
-            before = _read(screen).decode()
+            before = read_pty(screen).decode()
             assert REPLY[0] in before and REPLY not in before  # the first token is on screen, the rest not yet
         finally:
             gate.set()
             run.join(30)
-        after = before + _read(screen).decode()
+        after = before + read_pty(screen).decode()
     assert codes == [0] and REPLY in after.replace("\r", "")
 
 
@@ -98,7 +84,7 @@ def test_json_is_one_clean_object_on_stdout(loader: ScriptedLoader, capsys: pyte
 def test_quiet_on_a_terminal_prints_only_the_text(loader: ScriptedLoader) -> None:
     with terminal() as screen:
         assert generate.main(["--prompt", "hi", "--mode", "baseline", "--quiet"]) == 0
-        shown = _read(screen).decode().replace("\r", "")
+        shown = read_pty(screen).decode().replace("\r", "")
     assert shown == REPLY + "\n"
 
 

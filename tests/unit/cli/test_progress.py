@@ -5,22 +5,13 @@ from __future__ import annotations
 import io
 import os
 import pty
-import select
 
 from mlx_dspark.entrypoints.cli.progress import ProgressBar
+from tests.unit.cli.terminal import read_pty
 
 
 def _drain(master: int) -> str:
-    chunks = []
-    while select.select([master], [], [], 0.2)[0]:
-        try:
-            data = os.read(master, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    return b"".join(chunks).decode(errors="replace")
+    return read_pty(master, 0.2, 0.2).decode(errors="replace")
 
 
 def test_a_terminal_gets_one_live_bar_not_a_line_per_percent() -> None:

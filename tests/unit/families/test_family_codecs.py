@@ -23,9 +23,9 @@ from mlx_dspark.domain.chat import (
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    ToolSpec,
 )
 from tests.fakes.tokenizer import CHATML_TOOLS_TEMPLATE, FakeTokenizer
+from tests.unit.families.streaming import SHELL, feed_in_chunks
 
 # Minimal templates of our own with each family's markers (the real ones are not available offline).
 PLAIN_CHATML = (
@@ -54,15 +54,6 @@ GEMMA3 = (
     "<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
 )
 
-SHELL = ToolSpec(
-    name="shell",
-    description="Run a command",
-    parameters={
-        "type": "object",
-        "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
-        "required": ["command"],
-    },
-)
 HISTORY = Conversation(
     system="Be brief.",
     messages=(
@@ -144,13 +135,7 @@ def _merged(events: list[ChatEvent]) -> list[ChatEvent]:
 def _parse(codec: object, text: str, rng: random.Random, *, thinking: bool = False) -> list[ChatEvent]:
     ids = iter(f"id{i}" for i in range(100))
     parser = codec.parser([SHELL], starts_in_thinking=thinking, id_factory=lambda: next(ids))  # type: ignore[attr-defined]
-    events: list[ChatEvent] = []
-    i = 0
-    while i < len(text):
-        n = rng.randint(1, 9)
-        events += parser.feed(text[i : i + n])
-        i += n
-    return _merged(events + parser.finish())
+    return _merged(feed_in_chunks(parser, text, rng, 9))
 
 
 def _call(i: int, args: str) -> list[ChatEvent]:

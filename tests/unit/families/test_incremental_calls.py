@@ -12,15 +12,8 @@ from mlx_dspark.adapters.families.hermes import HermesCodec
 from mlx_dspark.adapters.families.lfm2 import Lfm2Codec
 from mlx_dspark.adapters.families.qwen_xml import QwenXmlCodec
 from mlx_dspark.domain.chat import ChatEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolSpec
+from tests.unit.families.streaming import SHELL, feed_in_chunks
 
-SHELL = ToolSpec(
-    name="shell",
-    parameters={
-        "type": "object",
-        "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
-        "required": ["command"],
-    },
-)
 WRITE = ToolSpec(
     name="write",
     parameters={
@@ -74,13 +67,7 @@ def test_events_do_not_depend_on_chunking(seed: int) -> None:
     text = f"<tool_call>\n{body}\n</tool_call>after"
     rng = random.Random(seed)
     parser = _parser()
-    events: list[ChatEvent] = []
-    i = 0
-    while i < len(text):
-        n = rng.randint(1, 7)
-        events += parser.feed(text[i : i + n])
-        i += n
-    events += parser.finish()
+    events = feed_in_chunks(parser, text, rng, 7)
     end = next(e for e in events if isinstance(e, ToolCallEnd))
     assert json.loads(end.arguments) == {"timeout": 5, "command": 'echo "hi" \u00e9 \U0001f600'}
     assert end.arguments == _args(events) == json.dumps(json.loads(end.arguments), ensure_ascii=False)
@@ -223,13 +210,7 @@ def test_xml_events_do_not_depend_on_chunking(seed: int) -> None:
     )
     rng = random.Random(seed)
     parser = _xml_parser()
-    events: list[ChatEvent] = []
-    i = 0
-    while i < len(text):
-        n = rng.randint(1, 6)
-        events += parser.feed(text[i : i + n])
-        i += n
-    events += parser.finish()
+    events = feed_in_chunks(parser, text, rng, 6)
     assert json.loads(_args(events)) == {"timeout": 30, "command": "ls -la\n"}  # one layout newline each side
 
 
@@ -296,12 +277,6 @@ def test_a_very_long_streamed_value_comes_through_whole(family: str) -> None:
             f"<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>"
         )
     rng = random.Random(family)
-    events: list[ChatEvent] = []
-    i = 0
-    while i < len(text):
-        n = rng.randint(1, 40)
-        events += parser.feed(text[i : i + n])
-        i += n
-    events += parser.finish()
+    events = feed_in_chunks(parser, text, rng, 40)
     assert sum(isinstance(e, ToolCallArgsDelta) for e in events) > 100
     assert json.loads(_args(events)) == {"path": "p", "content": content} and not parser.cut

@@ -1,0 +1,33 @@
+"""The `Runtime` port over MLX: the optimized CPU BLAS swapped in before `mlx.core` loads, and the device report.
+
+Nothing here imports MLX at module level: `prepare` must run before the first `import mlx.core`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MlxRuntime:
+    """The process runtime of every entrypoint (BLAS first, then the facts `doctor` and `bench` report)."""
+
+    def prepare(self) -> str:
+        from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
+
+        return ensure_fast_blas().name
+
+    def report(self) -> dict[str, Any]:
+        from mlx_dspark.adapters.mlx.device import describe_runtime
+
+        return describe_runtime()
+
+    def calibration_environment(self) -> dict[str, str]:
+        """The device and MLX version that key saved calibrations (measured costs hold only there)."""
+        import os
+        import platform
+
+        import mlx.core as mx
+
+        machine = f"{platform.system()} {platform.machine()} {platform.processor()} cpus={os.cpu_count()}"
+        version = str(getattr(mx, "__version__", "unknown"))
+        return {"device": f"{mx.default_device()} on {machine}", "mlx_version": version}
