@@ -49,6 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class App:
     base_url: str
     hub: FakeHub
+    engine: Any  # the server's EngineThread (tests hold it so requests start in one batch)
 
 
 @pytest.fixture(scope="module")  # torn down after the browser tier, not at the end of the suite
@@ -75,8 +76,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
         flags = {"model": "default", "mode": "baseline", "max_draft": "4", **dashboard_flags(tmp, hub)}
         settings = load_settings(flags, environ={})
         services = bootstrap.build(settings)
-        for base, _ in _serve(create_app(services, settings)):
-            yield App(base_url=base, hub=hub)
+        server = create_app(services, settings)
+        for base, _ in _serve(server):
+            yield App(base_url=base, hub=hub, engine=server.state.ctx.engine)
 
 
 @pytest.fixture

@@ -3,9 +3,14 @@ a temporary SQLite file; shared by the dashboard API tests."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -98,6 +103,35 @@ def dashboard_flags(tmp: Path, hub: FakeHub) -> dict[str, str]:
         "hub_cache_dir": str(tmp / "hf"),
         "lm_studio_dirs": str(tmp / "lm-studio"),  # absent: no LM Studio models
     }
+
+
+@contextlib.contextmanager
+def engine_held(engine: Any) -> Iterator[Callable[[int], None]]:
+    """Hold `engine` with an exclusive job that waits; the yielded `release(n)` lets it go once `n` jobs wait
+    behind it, so they start together (in one batch, on a batching engine). The status gauge and /metrics
+    measure on the engine thread too: read them before or after, not while held."""
+    gate = threading.Event()
+
+    def hold(_: Any) -> Iterator[None]:
+        gate.wait(120)
+        yield None
+
+    loop = asyncio.new_event_loop()  # never run: the hold's one item is not read
+
+    def release(waiting: int) -> None:
+        for _ in range(4800):
+            if engine.queue_depth >= waiting:
+                break
+            time.sleep(0.025)
+        assert engine.queue_depth >= waiting, f"{engine.queue_depth} jobs wait, not {waiting}"
+        gate.set()
+
+    try:
+        engine.submit(hold, loop, exclusive=True)
+        yield release
+    finally:
+        gate.set()
+        loop.close()
 
 
 def make_web_server(

@@ -4,7 +4,6 @@ on a batching engine over a tiny MLX model."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from mlx_dspark.entrypoints.http.app import create_app
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.fakes.hub import serve
 from tests.integration.http.conftest import _serve
-from tests.integration.web.conftest import WebServer, dashboard_flags, fake_hub
+from tests.integration.web.conftest import WebServer, dashboard_flags, engine_held, fake_hub
 from tests.integration.web.test_web_api import post_stream, sse
 
 Event = dict[str, Any]
@@ -189,42 +188,25 @@ def batching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, An
 
 def test_two_concurrent_requests_show_a_batch_of_two(batching: tuple[str, Any]) -> None:
     base, engine = batching
-    # Hold the engine with an exclusive job until both requests wait, so they start in one batch.
-    gate = threading.Event()
+    before = metrics(base)
+    finished: list[Event] = []
 
-    def hold(_: Any) -> Iterator[None]:
-        gate.wait(30)
-        yield None
+    def until(e: Event) -> bool:
+        if e["type"] == "finished":
+            finished.append(e)
+        return len(finished) == 2
 
-    before = metrics(base)  # (its model size is measured on the engine thread: before the hold)
-    loop = asyncio.new_event_loop()
-    try:
-        engine.submit(hold, loop, exclusive=True)
-        finished: list[Event] = []
-
-        def until(e: Event) -> bool:
-            if e["type"] == "finished":
-                finished.append(e)
-            return len(finished) == 2
-
-        watch = Watch(base, until)
-        results: list[httpx.Response] = []
-        prompts = ["Count the stars above.", "Name every river you know of, please."]
-        threads = [threading.Thread(target=lambda p=p: results.append(chat(base, p, 12))) for p in prompts]
+    watch = Watch(base, until)
+    results: list[httpx.Response] = []
+    prompts = ["Count the stars above.", "Name every river you know of, please."]
+    threads = [threading.Thread(target=lambda p=p: results.append(chat(base, p, 12))) for p in prompts]
+    with engine_held(engine) as release:
         for t in threads:
             t.start()
-        for _ in range(400):
-            if engine.queue_depth == 2:
-                break
-            threading.Event().wait(0.025)
-        assert engine.queue_depth == 2
-        gate.set()
-        for t in threads:
-            t.join(120)
-        watch.done()
-    finally:
-        gate.set()
-        loop.close()
+        release(2)
+    for t in threads:
+        t.join(120)
+    watch.done()
     assert len(results) == 2
     widths = [e["width"] for e in watch.of("batch")]
     assert 2 in widths and max(widths) == 2
