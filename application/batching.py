@@ -24,11 +24,13 @@ import structlog
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.drafting.selection import FixedSelector
+from mlx_dspark.domain.events import BatchStepped
 from mlx_dspark.domain.ports import RollbackKind, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
 _GREEDY = SamplingParams()
+TELEMETRY_ID = "batch"  # the request id the scheduler's BatchStepped events carry (they belong to no request)
 _log = structlog.get_logger("mlx_dspark.batching")
 
 
@@ -68,7 +70,7 @@ class _Cancelled(Exception):
 
 @attrs.define
 class _Call:
-    kind: str  # "prefill" | "step" (batched rows); "solo" | "solo-verify" (a lone row on the serial target)
+    kind: str  # "prefill" | "step" (batched rows); "solo" | "solo-prefill" | "solo-verify" (a lone row, serial)
     tokens: list[int]
     sampling: SamplingParams
     uniform: float
@@ -108,8 +110,8 @@ class RowTarget:
     def cached_ids(self) -> tuple[int, ...]:
         return tuple(self.solo.cached_ids) if self.solo is not None else tuple(self._ids)
 
-    def _solo(self, run: Callable[[], Any]) -> Any:
-        return self._lane.call(_Call("solo", [], _GREEDY, 0.0, run))
+    def _solo(self, run: Callable[[], Any], kind: str = "solo") -> Any:
+        return self._lane.call(_Call(kind, [], _GREEDY, 0.0, run))
 
     def reset(self, keep: int = 0, *, capture: bool = True) -> int:
         solo = self.solo
@@ -123,7 +125,7 @@ class RowTarget:
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
         solo = self.solo
         if solo is not None:
-            first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform))
+            first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform), "solo-prefill")
             return first
         whole, self._pending = [*self._pending, *tokens], []
         token: int = self._lane.call(_Call("prefill", whole, sampling, uniform))
@@ -188,7 +190,7 @@ class RowTarget:
         if solo is None:  # a batched row prefills its whole prompt, chunk by chunk, in the prefill call
             self._pending.extend(tokens)
             return
-        self._solo(lambda: solo.extend(tokens))
+        self._solo(lambda: solo.extend(tokens), "solo-prefill")
 
     def save_state(self) -> Any:
         solo = self.solo
@@ -335,6 +337,10 @@ class BatchScheduler:
                     break
                 self._admit(job)
             self._tick()
+        self._report(0, 0)  # drained: nothing decodes until the next job
+
+    def _report(self, width: int, prefilling: int) -> None:
+        self._generator.telemetry.emit(TELEMETRY_ID, BatchStepped(width=width, prefilling=prefilling))
 
     def _admit(self, job: Any) -> None:
         if job.cancelled:
@@ -361,6 +367,13 @@ class BatchScheduler:
             self._settle(lane)
 
     def _tick(self) -> None:
+        solo, prefilled, width = self._tick_rows()
+        if width or solo or prefilled:
+            self._report(width or solo, prefilled)
+
+    def _tick_rows(self) -> tuple[int, int, int]:
+        """One tick; returns (solo rows decoded, rows that ran a prompt chunk, width of the batched step)."""
+        solo = prefilled = 0
         for lane in list(self._lanes):
             self._settle(lane)
         for lane in [
@@ -374,6 +387,8 @@ class BatchScheduler:
                 call.kind = "step"
                 self.migrations += 1
                 continue
+            solo += call.kind == "solo-verify"
+            prefilled += call.kind == "solo-prefill"
             try:
                 result = call.run()
             except Exception as exc:
@@ -390,6 +405,7 @@ class BatchScheduler:
             if not lane.opened:
                 self._backend.open(lane.row, call.tokens)
                 lane.opened = True
+            prefilled += 1
             try:
                 token = self._backend.prefill_step(lane.row, call.sampling, call.uniform)
             except Exception as exc:
@@ -402,7 +418,7 @@ class BatchScheduler:
                 self._settle(lane)
         stepping = [lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "step"]
         if not stepping:
-            return
+            return solo, prefilled, 0
         if len(stepping) != self._backend.width:  # every row in the batch waits for its token between steps
             raise RuntimeError(f"{len(stepping)} rows asked for a step of a batch of {self._backend.width}")
         calls = {lane.row: lane.call_pending for lane in stepping}
@@ -418,9 +434,10 @@ class BatchScheduler:
                 self._backend.close(lane.row)
                 lane.resume(exc)
                 self._settle(lane)
-            return
+            return solo, prefilled, 0
         self.steps += 1
         self.widest = max(self.widest, len(stepping))
         for lane in stepping:
             lane.resume(tokens[lane.row])
             self._settle(lane)
+        return solo, prefilled, len(stepping)

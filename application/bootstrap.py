@@ -126,25 +126,15 @@ def _broadcasting(inner: TelemetrySink) -> TelemetrySink:
     return inner if isinstance(inner, BroadcastTelemetrySink) else BroadcastTelemetrySink(inner)
 
 
-def build_dashboard(
-    services: Services,
-    settings: Settings | None = None,
-    *,
-    session_db: str | None = None,
-    hub_endpoint: str | None = None,
-    catalog: Any = None,
-    hub: Any = None,
-    probe: Any = None,
-) -> Dashboard:
+def build_dashboard(services: Services, settings: Settings | None = None) -> Dashboard:
     """The web dashboard's use cases over real adapters (SQLite sessions, HF hub and caches, MLX probe).
 
-    Args:
-        services: the wired services (their telemetry is the live feed when it broadcasts).
-        settings: defaults to services.settings.
-        session_db: the SQLite file (default: $MLX_DSPARK_SESSION_DB, else sessions.sqlite3 in the cache folder).
-        hub_endpoint: the hub's base URL (default: HF_ENDPOINT, else huggingface.co).
-        catalog, hub, probe: replacements (tests).
+    `settings.dashboard` says where: the session database (unset: $MLX_DSPARK_SESSION_DB, else
+    sessions.sqlite3 in the cache folder), the hub (unset: HF_ENDPOINT, else huggingface.co), the Hugging
+    Face cache and LM Studio's folders. The live feed is the services' telemetry when it broadcasts.
     """
+    from pathlib import Path
+
     from mlx_dspark.adapters.hf.cache import cache_root
     from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
     from mlx_dspark.adapters.hf.hub import HfModelHub
@@ -158,19 +148,22 @@ def build_dashboard(
     from mlx_dspark.application.dashboard.sessions import SessionService
 
     settings = settings or services.settings
+    where = settings.dashboard
     root = cache_root(settings.model.cache_dir)
-    db = session_db or os.environ.get("MLX_DSPARK_SESSION_DB") or os.path.join(root, "sessions.sqlite3")
-    store = SqliteSessionStore(db)
+    # The variable is read here too: settings loaded without the environment (tests) still honour it.
+    db = where.session_db or os.environ.get("MLX_DSPARK_SESSION_DB") or os.path.join(root, "sessions.sqlite3")
     feed = services.telemetry if isinstance(services.telemetry, BroadcastTelemetrySink) else None
     modes = ModeSet(services, settings)
-    machine = probe or MlxMachineProbe()
+    machine = MlxMachineProbe()
+    hub_cache = Path(where.hub_cache_dir) if where.hub_cache_dir else None
+    lm_studio = [Path(d) for d in where.lm_studio_dirs] or None
     manager = ModelManager(
-        catalog or LocalModelCatalog(project_cache=root),
-        hub or HfModelHub(endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None),
+        LocalModelCatalog(project_cache=root, hub_cache=hub_cache, lm_studio=lm_studio),
+        HfModelHub(where.hub_endpoint or os.environ.get("HF_ENDPOINT") or None, cache_dir=where.hub_cache_dir),
         machine,
     )
     return Dashboard(
-        sessions=SessionService(store, ChatService(services.families, settings.server), modes, feed),
+        sessions=SessionService(SqliteSessionStore(db), ChatService(services.families, settings.server), modes, feed),
         modes=modes,
         models=manager,
         probe=machine,

@@ -22,7 +22,7 @@ from mlx_dspark.domain.cache import common_prefix
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
+from mlx_dspark.domain.events import Finished, PrefixReused, RoundFinished, TokensCommitted
 from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel, TelemetrySink
 from mlx_dspark.domain.stops import StopStringMatcher
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
@@ -140,6 +140,11 @@ class GenerationService:
         """The mode name ("auto" or a fixed mode)."""
         return self.selector.mode
 
+    @property
+    def telemetry(self) -> TelemetrySink:
+        """Where this service's events go (the batch scheduler reports its ticks there too)."""
+        return self._telemetry
+
     def on_target(self, target: TargetModel) -> GenerationService:
         """The same service over another target (a batched row), sharing selector, clock, telemetry and
         prefix cache (a target that cannot save states, `state_tag` "", reuses only its live rows)."""
@@ -183,11 +188,15 @@ class GenerationService:
         cache = self.prefix_cache if request.prefix_cache else None
         points: tuple[int, ...] = ()
         if cache is not None:
-            reuse = cache.prepare(target, ids).rows
+            found = cache.prepare(target, ids)
+            reuse, origin = found.rows, found.source
             points = cache.snapshot_points(target, request.boundaries, start=reuse, end=len(ids))
         else:
             # Ask the target what it holds: other users of the same target (bench, calibration) move it too.
             reuse = common_prefix(target.cached_ids, ids) if request.prefix_cache else 0
+            reuse = min(reuse, len(ids) - 1)  # the loop prefills at least the prompt's last token
+            origin = "live" if reuse else "none"
+        self._telemetry.emit(request.request_id, PrefixReused(prompt_tokens=len(ids), rows=reuse, source=origin))
         detok = IncrementalDetokenizer(self.model.tokenizer)
         matcher = StopStringMatcher(request.stop)
         start = self._clock.now()

@@ -118,12 +118,30 @@ class TelemetrySettings:
 
 
 @attrs.frozen(kw_only=True)
+class DashboardSettings:
+    """Where the web dashboard keeps and finds things (each unset one has a default that follows the tools).
+
+    Attributes:
+        session_db: the chat sessions' SQLite file (default: sessions.sqlite3 in the cache folder).
+        hub_endpoint: the model hub's base URL (default: HF_ENDPOINT, else huggingface.co).
+        hub_cache_dir: the Hugging Face cache to list and download into (default: huggingface-hub's own).
+        lm_studio_dirs: LM Studio models folders (default: LMSTUDIO_MODELS_DIR and LM Studio's own places).
+    """
+
+    session_db: str | None = None
+    hub_endpoint: str | None = None
+    hub_cache_dir: str | None = None
+    lm_studio_dirs: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class Settings:
     model: ModelSettings = ModelSettings()
     decode: DecodeSettings = DecodeSettings()
     server: ServerSettings = ServerSettings()
     cache: CacheSettings = CacheSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    dashboard: DashboardSettings = DashboardSettings()
 
 
 _converter = cattrs.Converter()
@@ -141,6 +159,7 @@ _SECTIONS = {
     "server": ServerSettings,
     "cache": CacheSettings,
     "telemetry": TelemetrySettings,
+    "dashboard": DashboardSettings,
 }
 
 

@@ -30,6 +30,21 @@ class PrefillProgress:
 
 
 @attrs.frozen(kw_only=True)
+class PrefixReused:
+    """Where a request's prompt starts: rows served by the prefix cache before its prefill (one per request).
+
+    Attributes:
+        prompt_tokens: the prompt's tokens.
+        rows: prompt tokens whose rows were reused (0 = a miss: the whole prompt is prefilled).
+        source: "live" (the target still held them), "memory" or "disk" (a saved state), "none" on a miss.
+    """
+
+    prompt_tokens: int
+    rows: int
+    source: str
+
+
+@attrs.frozen(kw_only=True)
 class RoundFinished:
     """One draft → verify → accept round."""
 
@@ -94,4 +109,20 @@ class Finished:
     stop_sequence: str | None = None
 
 
+@attrs.frozen(kw_only=True)
+class BatchStepped:
+    """One tick of the continuous-batching scheduler (emitted on the engine thread, not per request).
+
+    Attributes:
+        width: rows that got their next token in this tick's one forward (1: a lone row on the serial
+            target; 0: the batch drained and the scheduler went idle).
+        prefilling: rows that ran a prompt chunk in this tick.
+    """
+
+    width: int
+    prefilling: int
+
+
 DecodeEvent = TokensCommitted | PrefillProgress | RoundFinished | CapChanged | SourceSwitched | Finished
+# What telemetry sinks receive: the decode loop's events, plus the use case's and the scheduler's own.
+TelemetryEvent = DecodeEvent | PrefixReused | BatchStepped

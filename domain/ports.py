@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
-from mlx_dspark.domain.events import DecodeEvent
+from mlx_dspark.domain.events import TelemetryEvent
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
@@ -163,6 +163,6 @@ class Clock(Protocol):
 
 
 class TelemetrySink(Protocol):
-    """Receives decode events of a request."""
+    """Receives a request's decode events (and the batch scheduler's ticks, under its own id)."""
 
-    def emit(self, request_id: str, event: DecodeEvent) -> None: ...
+    def emit(self, request_id: str, event: TelemetryEvent) -> None: ...

@@ -1,8 +1,10 @@
 """A telemetry sink that fans decode events out to live subscribers (the dashboard's SSE stream).
 
 It forwards every event to an inner sink (the structlog lines), keeps a bounded ring of recent events
-for late subscribers, per-request summaries, and running totals for /metrics. Thread-safe: the engine
-thread emits, HTTP handlers subscribe and read from the event loop.
+for late subscribers, per-request summaries, and running totals for /metrics. Published kinds: request,
+cache (the prefix reused and where from), prefill (progress of a long prompt; `first_token` once the
+prompt is in), round, cap, batch (the scheduler's width, published when it changes) and finished.
+Thread-safe: the engine thread emits, HTTP handlers subscribe and read from the event loop.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from mlx_dspark.domain.events import CapChanged, DecodeEvent, Finished, RoundFinished, TokensCommitted
+from mlx_dspark.domain.events import (
+    BatchStepped,
+    CapChanged,
+    Finished,
+    PrefillProgress,
+    PrefixReused,
+    RoundFinished,
+    TelemetryEvent,
+    TokensCommitted,
+)
 from mlx_dspark.domain.ports import TelemetrySink
 
 Listener = Callable[[dict[str, Any]], None]
@@ -45,70 +56,24 @@ class BroadcastTelemetrySink:
         self.totals: Counter[str] = Counter()
         self.finish_reasons: Counter[str] = Counter()
         self.accepted_by_length: Counter[int] = Counter()
+        self.cache_sources: Counter[str] = Counter()  # requests by where their reused prefix came from
+        self.batch_widths: Counter[int] = Counter()  # batched ticks by width
+        self._batch = (0, 0)  # the scheduler's last (width, prefilling)
+        self.widest = 0
 
     # ---- TelemetrySink ----------------------------------------------------------------------------------
 
-    def emit(self, request_id: str, event: DecodeEvent) -> None:
+    def emit(self, request_id: str, event: TelemetryEvent) -> None:
         if self._inner is not None:
             self._inner.emit(request_id, event)
         now = self._clock()
         out: list[dict[str, Any]] = []
         with self._lock:
             self._prune(now)
-            state = self._active.get(request_id)
-            if state is None:
-                state = self._active[request_id] = {"started": now, "prefill_done": None, "tokens": 0}
-                out.append({"type": "request", "request_id": request_id, "active": len(self._active)})
-            state["last"] = now
-            if isinstance(event, TokensCommitted):
-                n = len(event.tokens)
-                state["tokens"] += n
-                self.totals["tokens_committed"] += n
-                self._window.append((now, n))
-                if state["prefill_done"] is None:
-                    # The decode loop's first event follows the prefill forward: the prompt is in the cache.
-                    # (Its duration arrives with `finished`: no event precedes the prefill.)
-                    state["prefill_done"] = now
-                    out.append({"type": "prefill", "request_id": request_id, "done": True})
-            elif isinstance(event, RoundFinished):
-                self.totals["rounds"] += 1
-                self.totals["drafted"] += event.drafted
-                self.totals["accepted"] += event.accepted
-                if event.drafted:
-                    self.accepted_by_length[event.accepted] += 1
-                out.append(
-                    {
-                        "type": "round",
-                        "request_id": request_id,
-                        "index": event.index,
-                        "source": event.source,
-                        "cap": event.cap,
-                        "drafted": event.drafted,
-                        "accepted": event.accepted,
-                        # per draft position: 1 = accepted, 0 = rejected (positions past the first rejection not tried)
-                        "positions": [1] * event.accepted + ([0] if event.accepted < event.drafted else []),
-                        "committed": event.committed,
-                        "draft_s": event.draft_s,
-                        "verify_s": event.verify_s,
-                        "depth": event.depth,
-                        "tok_s": event.committed / max(event.draft_s + event.verify_s, 1e-9),
-                        "batch": len(self._active),
-                    }
-                )
-            elif isinstance(event, CapChanged):
-                self.totals["cap_changes"] += 1
-                out.append(
-                    {
-                        "type": "cap",
-                        "request_id": request_id,
-                        "old": event.old,
-                        "new": event.new,
-                        "reason": event.reason,
-                    }
-                )
-            elif isinstance(event, Finished):
-                self._active.pop(request_id, None)
-                out.append(self._finish(request_id, event))
+            if isinstance(event, BatchStepped):
+                self._batch_step(event, out)
+            else:
+                self._request_event(request_id, event, now, out)
             for item in out:
                 self._seq += 1
                 item["seq"] = self._seq
@@ -119,11 +84,117 @@ class BroadcastTelemetrySink:
             for listener in listeners:
                 listener(item)
 
+    def _batch_step(self, event: BatchStepped, out: list[dict[str, Any]]) -> None:
+        if event.width:
+            self.totals["batch_steps"] += 1
+            self.totals["batch_rows"] += event.width
+            self.batch_widths[event.width] += 1
+            self.widest = max(self.widest, event.width)
+        now = (event.width, event.prefilling)
+        if now != self._batch:  # one step per token would flood the stream; its changes draw the same line
+            self._batch = now
+            out.append(
+                {"type": "batch", "width": event.width, "prefilling": event.prefilling, "active": len(self._active)}
+            )
+
+    def _request_event(self, request_id: str, event: TelemetryEvent, now: float, out: list[dict[str, Any]]) -> None:
+        state = self._active.get(request_id)
+        if state is None:
+            state = self._active[request_id] = {"started": now, "prefill_done": None, "tokens": 0, "total": 0}
+            out.append({"type": "request", "request_id": request_id, "active": len(self._active)})
+        state["last"] = now
+        if isinstance(event, PrefixReused):
+            source = event.source if event.rows else "none"
+            state.update(total=event.prompt_tokens, reused=event.rows, cache_source=source)
+            self.cache_sources[source] += 1
+            out.append(
+                {
+                    "type": "cache",
+                    "request_id": request_id,
+                    "prompt_tokens": event.prompt_tokens,
+                    "cached": event.rows,
+                    "prefill": event.prompt_tokens - event.rows,
+                    "source": source,
+                }
+            )
+        elif isinstance(event, PrefillProgress):
+            state.update(total=event.total, reused=event.reused)
+            out.append(
+                {
+                    "type": "prefill",
+                    "request_id": request_id,
+                    "done": event.done,
+                    "total": event.total,
+                    "reused": event.reused,
+                    "first_token": False,
+                }
+            )
+        elif isinstance(event, TokensCommitted):
+            n = len(event.tokens)
+            state["tokens"] += n
+            self.totals["tokens_committed"] += n
+            self._window.append((now, n))
+            if state["prefill_done"] is None:
+                # The decode loop's first event after the prefill: the prompt is in the cache.
+                # (Its duration arrives with `finished`.)
+                state["prefill_done"] = now
+                total = state["total"]
+                out.append(
+                    {
+                        "type": "prefill",
+                        "request_id": request_id,
+                        "done": total,
+                        "total": total,
+                        "reused": state.get("reused", 0),
+                        "first_token": True,
+                    }
+                )
+        elif isinstance(event, RoundFinished):
+            self.totals["rounds"] += 1
+            self.totals["drafted"] += event.drafted
+            self.totals["accepted"] += event.accepted
+            if event.drafted:
+                self.accepted_by_length[event.accepted] += 1
+            out.append(
+                {
+                    "type": "round",
+                    "request_id": request_id,
+                    "index": event.index,
+                    "source": event.source,
+                    "cap": event.cap,
+                    "drafted": event.drafted,
+                    "accepted": event.accepted,
+                    # per draft position: 1 = accepted, 0 = rejected (positions past the first rejection not tried)
+                    "positions": [1] * event.accepted + ([0] if event.accepted < event.drafted else []),
+                    "committed": event.committed,
+                    "draft_s": event.draft_s,
+                    "verify_s": event.verify_s,
+                    "depth": event.depth,
+                    "tok_s": event.committed / max(event.draft_s + event.verify_s, 1e-9),
+                    "batch": self._batch[0] or 1,  # rows in this round's forward (1 = not batched)
+                    "active": len(self._active),
+                }
+            )
+        elif isinstance(event, CapChanged):
+            self.totals["cap_changes"] += 1
+            out.append(
+                {
+                    "type": "cap",
+                    "request_id": request_id,
+                    "old": event.old,
+                    "new": event.new,
+                    "reason": event.reason,
+                }
+            )
+        elif isinstance(event, Finished):
+            self._active.pop(request_id, None)
+            out.append(self._finish(request_id, event, state.get("cache_source", "none")))
+
     def _prune(self, now: float) -> None:
         for rid in [r for r, st in self._active.items() if now - st.get("last", st["started"]) > _STALE_S]:
             del self._active[rid]
 
-    def _finish(self, request_id: str, event: Finished) -> dict[str, Any]:
+    def _finish(self, request_id: str, event: Finished, cache_source: str) -> dict[str, Any]:
         u = event.usage
         self.totals["requests"] += 1
         self.totals["prompt_tokens"] += u.prompt_tokens
@@ -139,6 +210,7 @@ class BroadcastTelemetrySink:
             "finish_reason": event.reason.value,
             "prompt_tokens": u.prompt_tokens,
             "cached_prompt_tokens": u.cached_prompt_tokens,
+            "cache_source": cache_source if u.cached_prompt_tokens else "none",
             "generated_tokens": u.generated_tokens,
             "rounds": u.rounds,
             "drafted": u.drafted,
@@ -199,6 +271,10 @@ class BroadcastTelemetrySink:
                 "totals": dict(self.totals),
                 "finish_reasons": dict(self.finish_reasons),
                 "accepted_by_length": {str(k): v for k, v in sorted(self.accepted_by_length.items())},
+                "cache_sources": dict(self.cache_sources),
+                "batch_widths": {str(k): v for k, v in sorted(self.batch_widths.items())},
+                "batch_width": self._batch[0],
+                "batch_widest": self.widest,
                 "active_requests": len(self._active),
                 "live_tok_s": live,
                 "last": last,

@@ -1,4 +1,4 @@
-"""Per-round debug lines, draft-cap changes and draft-source switches through structlog.
+"""Per-round, prefill and prefix-reuse debug lines, draft-cap changes and draft-source switches through structlog.
 
 The canonical line of a request is not written here: the face that owns the request writes it (the HTTP
 driver's `request.finished`, with the dialect and status this sink cannot know), so each request logs once.
@@ -10,7 +10,14 @@ from typing import Any
 
 import structlog
 
-from mlx_dspark.domain.events import CapChanged, DecodeEvent, PrefillProgress, RoundFinished, SourceSwitched
+from mlx_dspark.domain.events import (
+    CapChanged,
+    PrefillProgress,
+    PrefixReused,
+    RoundFinished,
+    SourceSwitched,
+    TelemetryEvent,
+)
 
 
 class StructlogTelemetrySink:
@@ -19,7 +26,7 @@ class StructlogTelemetrySink:
     def __init__(self, logger: Any = None) -> None:
         self._log = logger or structlog.get_logger("mlx_dspark.decode")
 
-    def emit(self, request_id: str, event: DecodeEvent) -> None:
+    def emit(self, request_id: str, event: TelemetryEvent) -> None:
         if isinstance(event, RoundFinished):
             self._log.debug(
                 "round",
@@ -34,6 +41,10 @@ class StructlogTelemetrySink:
         elif isinstance(event, PrefillProgress):
             self._log.debug(
                 "prefill.progress", request_id=request_id, done=event.done, total=event.total, reused=event.reused
+            )
+        elif isinstance(event, PrefixReused):
+            self._log.debug(
+                "prefix.reused", request_id=request_id, rows=event.rows, source=event.source, prompt=event.prompt_tokens
             )
         elif isinstance(event, CapChanged):
             self._log.info(

@@ -66,6 +66,32 @@ def render(
     )
     for name, key, help_text in counters:
         w.metric(name, "counter", help_text, [({}, totals.get(key, 0))])
+    sources = (snapshot or {}).get("cache_sources") or {}
+    w.metric(
+        "prefix_cache_lookups",
+        "counter",
+        "Requests by where their reused prompt prefix came from (live, memory, disk; none = a miss).",
+        [({"source": k}, sources.get(k, 0)) for k in ("live", "memory", "disk", "none")],
+    )
+    widths = (snapshot or {}).get("batch_widths") or {}
+    w.metric(
+        "batch_steps",
+        "counter",
+        "Decode steps of the batch scheduler by width (rows that got a token in the one forward).",
+        [({"width": k}, v) for k, v in sorted(widths.items(), key=lambda kv: int(kv[0]))] or [({"width": "1"}, 0)],
+    )
+    w.metric(
+        "batch_width",
+        "gauge",
+        "Rows in the batch scheduler's latest step (0 = idle).",
+        [({}, (snapshot or {}).get("batch_width", 0))],
+    )
+    w.metric(
+        "batch_width_max",
+        "gauge",
+        "The widest batched step since start.",
+        [({}, (snapshot or {}).get("batch_widest", 0))],
+    )
     drafted = totals.get("drafted", 0)
     w.metric(
         "acceptance_ratio",

@@ -21,7 +21,6 @@ from litestar.template.config import TemplateConfig
 
 from mlx_dspark.application.bootstrap import batch_backend_factory, build_dashboard
 from mlx_dspark.application.chat_service import ChatService
-from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services
@@ -82,13 +81,13 @@ def _fallback_handler() -> Any:
     return handle
 
 
-def create_app(services: Services, settings: Settings | None = None, *, dashboard: Dashboard | None = None) -> Litestar:
+def create_app(services: Services, settings: Settings | None = None) -> Litestar:
     """The server app.
 
     Args:
         services: wired adapters (a fake loader in tests).
-        settings: the settings tree (defaults to services.settings); `settings.server` holds the limits.
-        dashboard: the web dashboard's use cases (default: built by bootstrap over the real adapters).
+        settings: the settings tree (defaults to services.settings); `settings.server` holds the limits,
+            `settings.dashboard` where the dashboard's sessions, hub and model folders are.
     """
     settings = settings or services.settings
 
@@ -113,7 +112,7 @@ def create_app(services: Services, settings: Settings | None = None, *, dashboar
         finally:
             engine.stop(timeout=5)
 
-    dashboard = dashboard or build_dashboard(services, settings)
+    dashboard = build_dashboard(services, settings)
     cors = CORSConfig(allow_origins=list(settings.server.cors_origins)) if settings.server.cors_origins else None
     fallback = _fallback_handler()
     return Litestar(

@@ -21,7 +21,7 @@ from mlx_dspark.application.settings import load_settings
 from mlx_dspark.entrypoints.http.app import create_app
 from tests.fakes.hub import FakeHub, serve
 from tests.integration.http.conftest import _serve
-from tests.integration.web.conftest import fake_hub
+from tests.integration.web.conftest import dashboard_flags, fake_hub
 
 CHROMIUM = Path(os.environ.get("MLX_DSPARK_CHROMIUM", "/usr/bin/chromium"))
 FLAGS = [
@@ -49,6 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class App:
     base_url: str
     hub: FakeHub
+    engine: Any  # the server's EngineThread (tests hold it so requests start in one batch)
 
 
 @pytest.fixture(scope="module")  # torn down after the browser tier, not at the end of the suite
@@ -69,23 +70,15 @@ def chromium() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")  # torn down after the browser tier, not at the end of the suite
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
-    from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
-    from mlx_dspark.adapters.hf.hub import HfModelHub
-
     tmp = tmp_path_factory.mktemp("browser")
     bootstrap.runtime().prepare()
     with serve(fake_hub()) as hub:
-        settings = load_settings({"model": "default", "mode": "baseline", "max_draft": "4"}, environ={})
+        flags = {"model": "default", "mode": "baseline", "max_draft": "4", **dashboard_flags(tmp, hub)}
+        settings = load_settings(flags, environ={})
         services = bootstrap.build(settings)
-        dashboard = bootstrap.build_dashboard(
-            services,
-            settings,
-            session_db=str(tmp / "sessions.sqlite3"),
-            catalog=LocalModelCatalog(project_cache=tmp / "cache", hub_cache=tmp / "hf", lm_studio=[]),
-            hub=HfModelHub(hub.url, cache_dir=str(tmp / "hf")),
-        )
-        for base, _ in _serve(create_app(services, settings, dashboard=dashboard)):
-            yield App(base_url=base, hub=hub)
+        server = create_app(services, settings)
+        for base, _ in _serve(server):
+            yield App(base_url=base, hub=hub, engine=server.state.ctx.engine)
 
 
 @pytest.fixture

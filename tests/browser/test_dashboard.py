@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import httpx
 
 from tests.browser.conftest import App, screenshot
+from tests.integration.web.conftest import engine_held
 
 PAGES = ("chat", "models", "telemetry", "roofline", "race")
 
@@ -78,7 +80,39 @@ def test_the_telemetry_charts_update_live(page: Any, app: App) -> None:
     page.wait_for_function(f"+(document.body.dataset.updates || 0) > {before}")
     page.wait_for_function(f"Chart.getChart('chart-toks').data.datasets[0].data.length >= {points} + 7")
     page.wait_for_function("Chart.getChart('chart-time').data.labels.length > 0")
+    # A prompt over 1024 tokens: its prefill progress is drawn; the same prompt again is a cache hit.
+    long = [{"role": "user", "content": "Repeat after me: " + "one two three four five six seven eight. " * 120}]
+    first = chat(app, long, 2)
+    assert first["usage"]["prompt_tokens"] > 1024
+    # Its bar: cached + prefilled cover the whole prompt, nothing left to prefill.
+    done = "(d) => d[0].data.some((c, i) => c + d[1].data[i] > 1024 && d[1].data[i] > 0 && d[2].data[i] === 0)"
+    page.wait_for_function(f"({done})(Chart.getChart('chart-prefill').data.datasets)")
+    again = chat(app, long, 2)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 1024
+    page.wait_for_function("Chart.getChart('chart-prefill').data.datasets[0].data.some((v) => v > 1024)")
+    page.wait_for_function("+document.getElementById('k-cache').textContent >= 1")
+    # Two requests that start together decode in one batch of two.
+    results: list[dict[str, Any]] = []
+    say = [{"role": "user", "content": "Count to five."}]
+    threads = [threading.Thread(target=lambda: results.append(chat(app, say, 6))) for _ in range(2)]
+    with engine_held(app.engine) as release:
+        for t in threads:
+            t.start()
+        release(2)
+    for t in threads:
+        t.join(600)
+    assert len(results) == 2
+    page.wait_for_function("Chart.getChart('chart-batch').data.datasets[0].data.includes(2)")
+    assert page.locator("#k-batch-max").inner_text() == "2"
     screenshot(page, "telemetry-live")
+
+
+def chat(app: App, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens}
+    r = httpx.post(app.base_url + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result
 
 
 def test_the_fit_table_of_a_fake_hub_repo(page: Any, app: App) -> None:

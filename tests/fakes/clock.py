@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlx_dspark.domain.events import DecodeEvent
+from mlx_dspark.domain.events import TelemetryEvent
 
 
 class FakeClock:
@@ -19,7 +19,7 @@ class FakeClock:
 
 class RecordingTelemetrySink:
     def __init__(self) -> None:
-        self.events: list[tuple[str, DecodeEvent]] = []
+        self.events: list[tuple[str, TelemetryEvent]] = []
 
-    def emit(self, request_id: str, event: DecodeEvent) -> None:
+    def emit(self, request_id: str, event: TelemetryEvent) -> None:
         self.events.append((request_id, event))

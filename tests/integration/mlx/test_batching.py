@@ -17,9 +17,10 @@ import pytest
 
 from mlx_dspark.adapters.mlx.batched_target import batch_backend
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.batching import BatchScheduler
+from mlx_dspark.application.batching import TELEMETRY_ID, BatchScheduler
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService, TextChunk
+from mlx_dspark.domain.events import BatchStepped
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
@@ -148,6 +149,23 @@ def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) ->
     if n > 1:
         assert scheduler.widest > 1  # rows really shared forwards
         assert scheduler.migrations >= 1  # the first row started solo and moved into the batch
+
+
+def test_every_tick_reports_its_width_to_telemetry_and_the_drained_batch_reports_zero() -> None:
+    gen = service("llama")
+    reqs = requests(4, sampled=False, seed=5)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(gen, jobs, max_batch=3, join_every=2)
+    recorded = gen.telemetry.events  # type: ignore[attr-defined]
+    ticks = [e for rid, e in recorded if isinstance(e, BatchStepped)]
+    assert all(rid == TELEMETRY_ID for rid, e in recorded if isinstance(e, BatchStepped))
+    assert max(t.width for t in ticks) == scheduler.widest == 3  # max_batch bounds what is reported too
+    assert ticks[-1] == BatchStepped(width=0, prefilling=0)
+    assert any(t.prefilling for t in ticks)
+    # Every decoded token after a row's first (which comes from its prefill) came from a reported step,
+    # so the widths add up to at least that (a finishing row may take one step whose token is not kept).
+    decoded = sum(max(len(j.tokens()) - 1, 0) for j in jobs)
+    assert decoded <= sum(t.width for t in ticks) <= decoded + len(jobs)
 
 
 def test_a_lone_request_takes_the_serial_path_with_its_prefix_reuse() -> None:

@@ -3,9 +3,14 @@ a temporary SQLite file; shared by the dashboard API tests."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -89,28 +94,58 @@ def fake_hub() -> FakeHub:
     return hub
 
 
+def dashboard_flags(tmp: Path, hub: FakeHub) -> dict[str, str]:
+    """Settings that keep the dashboard's sessions, caches and hub inside `tmp` and the fake hub."""
+    return {
+        "cache_dir": str(tmp / "cache"),
+        "session_db": str(tmp / "sessions.sqlite3"),
+        "hub_endpoint": hub.url,
+        "hub_cache_dir": str(tmp / "hf"),
+        "lm_studio_dirs": str(tmp / "lm-studio"),  # absent: no LM Studio models
+    }
+
+
+@contextlib.contextmanager
+def engine_held(engine: Any) -> Iterator[Callable[[int], None]]:
+    """Hold `engine` with an exclusive job that waits; the yielded `release(n)` lets it go once `n` jobs wait
+    behind it, so they start together (in one batch, on a batching engine). The status gauge and /metrics
+    measure on the engine thread too: read them before or after, not while held."""
+    gate = threading.Event()
+
+    def hold(_: Any) -> Iterator[None]:
+        gate.wait(120)
+        yield None
+
+    loop = asyncio.new_event_loop()  # never run: the hold's one item is not read
+
+    def release(waiting: int) -> None:
+        for _ in range(4800):
+            if engine.queue_depth >= waiting:
+                break
+            time.sleep(0.025)
+        assert engine.queue_depth >= waiting, f"{engine.queue_depth} jobs wait, not {waiting}"
+        gate.set()
+
+    try:
+        engine.submit(hold, loop, exclusive=True)
+        yield release
+    finally:
+        gate.set()
+        loop.close()
+
+
 def make_web_server(
     tmp: Path, *, api_key: str | None = None, hub: FakeHub | None = None, reply: str = REPLY
 ) -> Iterator[WebServer]:
-    from mlx_dspark.adapters.hf.catalog import LocalModelCatalog
-    from mlx_dspark.adapters.hf.hub import HfModelHub
-
     hub = hub or fake_hub()
     with serve(hub):
         loader = DraftingLoader(lambda _prompt: reply, name="local-model", context_window=1 << 16)
-        flags = {"mode": "baseline", "max_draft": "4", "api_key": api_key}
+        hf_cache = tmp / "hf"
+        flags = {"mode": "baseline", "max_draft": "4", "api_key": api_key, **dashboard_flags(tmp, hub)}
         settings = load_settings({k: v for k, v in flags.items() if v is not None}, environ={})
         recorder = RecordingTelemetrySink()
         services = bootstrap.build(settings, loader=loader, telemetry=recorder, clock=FakeClock(), calibration=object())
-        hf_cache = tmp / "hf"
-        dashboard = bootstrap.build_dashboard(
-            services,
-            settings,
-            session_db=str(tmp / "sessions.sqlite3"),
-            catalog=LocalModelCatalog(project_cache=tmp / "cache", hub_cache=hf_cache, lm_studio=[]),
-            hub=HfModelHub(hub.url, cache_dir=str(hf_cache)),
-        )
-        app = create_app(services, settings, dashboard=dashboard)
+        app = create_app(services, settings)
         for base, _ in _serve(app):
             yield WebServer(base, hub, recorder, tmp / "sessions.sqlite3", hf_cache, api_key)
 

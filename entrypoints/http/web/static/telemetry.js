@@ -1,10 +1,19 @@
-// Live telemetry: the engine's round events over SSE, drawn with Chart.js.
+// Live telemetry: the engine's events over SSE (rounds, prefill progress, cache hits, batch width), drawn with Chart.js.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
   const MAX_POINTS = 300;
   let charts = {}, n = 0, hist = {}, requests = {}, reqOrder = [], updated = 0, drafted = 0, accepted = 0;
   const tried = [], hits = [], sources = {};
+  const prompts = {}, promptOrder = [], cacheSources = {live: 0, memory: 0, disk: 0};
+  let t0 = null, widest = 0, cacheHits = 0;
+  function prompt(id) {
+    if (!prompts[id]) {
+      prompts[id] = {cached: 0, done: 0, total: 0, source: "none"}; promptOrder.push(id);
+      if (promptOrder.length > 50) delete prompts[promptOrder.shift()];
+    }
+    return prompts[id];
+  }
   function line(id, label, color, stepped) {
     return new Chart($(id), {type: "line", data: {labels: [], datasets: [{label, data: [], borderColor: color,
       backgroundColor: color + "33", fill: true, pointRadius: 0, borderWidth: 1.5, stepped: !!stepped, tension: 0}]},
@@ -30,6 +39,13 @@
     charts.source.data.labels = Object.keys(sources);
     charts.source.data.datasets[0].data = Object.values(sources);
     charts.source.update("none");
+    const shown = promptOrder.slice(-8);
+    charts.prefill.data.labels = shown.map((id) => `${id.slice(-6)} (${prompts[id].source})`);
+    charts.prefill.data.datasets[0].data = shown.map((id) => prompts[id].cached);
+    charts.prefill.data.datasets[1].data = shown.map((id) => Math.max(prompts[id].done - prompts[id].cached, 0));
+    charts.prefill.data.datasets[2].data = shown.map((id) => Math.max(prompts[id].total - Math.max(prompts[id].done, prompts[id].cached), 0));
+    charts.prefill.update("none");
+    charts.batch.update("none");
     document.body.dataset.updates = String(++updated);
   }
   let pending = false;
@@ -50,17 +66,34 @@
       sources[ev.source] = (sources[ev.source] || 0) + 1;
       if (drafted) $("k-accept").textContent = ((accepted / drafted) * 100).toFixed(1) + "%";
       $("k-rounds").textContent = (+$("k-rounds").textContent || 0) + 1;
-      $("k-batch").textContent = ev.batch;
+      if (t0 === null) $("k-batch").textContent = ev.batch;  // a serial engine: no batch events
     } else if (ev.type === "request") {
       log(`request ${ev.request_id} started`);
+    } else if (ev.type === "cache") {
+      const p = prompt(ev.request_id);
+      p.cached = ev.cached; p.total = ev.prompt_tokens; p.source = ev.source; p.done = Math.max(p.done, ev.cached);
+      if (ev.cached) {
+        cacheHits++; cacheSources[ev.source] = (cacheSources[ev.source] || 0) + 1;
+        $("k-cache").textContent = cacheHits;
+        $("k-cache-src").textContent = Object.entries(cacheSources).map(([k, v]) => `${k} ${v}`).join(" · ");
+      }
+      log(`request ${ev.request_id}: ${ev.cached} of ${ev.prompt_tokens} prompt tokens cached (${ev.source}), ${ev.prefill} to prefill`);
     } else if (ev.type === "prefill") {
-      log(`request ${ev.request_id}: prompt prefilled, first token out`);
+      const p = prompt(ev.request_id);
+      p.done = Math.max(p.done, ev.done); p.total = ev.total || p.total;
+      if (ev.first_token) log(`request ${ev.request_id}: prompt prefilled, first token out`);
+      else log(`request ${ev.request_id}: prefill ${ev.done} / ${ev.total} tokens`);
+    } else if (ev.type === "batch") {
+      if (t0 === null) t0 = ev.t;
+      push(charts.batch, (ev.t - t0).toFixed(1) + "s", ev.width);
+      widest = Math.max(widest, ev.width);
+      $("k-batch").textContent = ev.width; $("k-batch-max").textContent = widest;
     } else if (ev.type === "cap") {
       log(`cap ${ev.old} → ${ev.new} (${ev.reason})`);
     } else if (ev.type === "finished") {
       requests[ev.request_id] = ev; reqOrder.push(ev.request_id);
+      if (prompts[ev.request_id]) prompts[ev.request_id].done = prompts[ev.request_id].total;
       $("k-requests").textContent = (+$("k-requests").textContent || 0) + 1;
-      if (ev.cached_prompt_tokens) $("k-cache").textContent = (+$("k-cache").textContent || 0) + 1;
       log(`request ${ev.request_id}: prefill ${(ev.prefill_s * 1000).toFixed(1)} ms, ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens`);
     }
     schedule();
@@ -79,6 +112,11 @@
       options: {scales: {x: {stacked: true}, y: {stacked: true, beginAtZero: true}}}});
     charts.position = new Chart($("chart-position"), {type: "bar", data: {labels: [], datasets: [{label: "accepted %", data: [], backgroundColor: "#a78bfa"}]},
       options: {plugins: {legend: {display: false}}, scales: {x: {title: {display: true, text: "draft position (tried rounds only)"}}, y: {beginAtZero: true, max: 100}}}});
+    charts.prefill = new Chart($("chart-prefill"), {type: "bar", data: {labels: [], datasets: [
+      {label: "cached", data: [], backgroundColor: "#3ecf8e"}, {label: "prefilled", data: [], backgroundColor: "#f5c04a"},
+      {label: "to prefill", data: [], backgroundColor: "#4b5563"}]},
+      options: {indexAxis: "y", scales: {x: {stacked: true, beginAtZero: true}, y: {stacked: true}}}});
+    charts.batch = line("chart-batch", "rows", "#f87171", true);
     charts.source = new Chart($("chart-source"), {type: "doughnut", data: {labels: [], datasets: [{data: [],
       backgroundColor: ["#6ea8fe", "#3ecf8e", "#a78bfa", "#f5c04a", "#f87171"]}]}, options: {plugins: {legend: {position: "right"}}}});
     const source = new EventSource("/ui/api/telemetry/stream?replay=500");
