@@ -7,9 +7,11 @@ the tokenizer and MLX are never used concurrently). The lane's target is a `RowT
 
 The scheduler's step: admit queued jobs up to `max_batch`; give every lane that is prefilling one prompt
 chunk (so a long prompt never stalls the rows that decode); run one batched step for every row waiting
-for a token; resume each lane with its result. A finished, failed or cancelled row leaves the batch at
-once; the others never notice. Each row draws its uniforms from its own decode loop's seeded RNG, so
-its output is the one it would produce alone.
+for a token; resume each lane with its result. A row's prompt pieces (`extend`, then `prefill`) are calls
+of their own, so its decode loop gets control back once each piece is really cached and its
+PrefillProgress flows through the service's telemetry like a solo row's. A finished, failed or cancelled
+row leaves the batch at once; the others never notice. Each row draws its uniforms from its own decode
+loop's seeded RNG, so its output is the one it would produce alone.
 """
 
 from __future__ import annotations
@@ -40,9 +42,17 @@ class BatchBackend(Protocol):
     @property
     def width(self) -> int: ...
 
-    def open(self, row: int, prompt: Sequence[int]) -> None: ...
+    def feed(self, row: int, tokens: Sequence[int]) -> None:
+        """Queue prompt tokens of `row` (starting the row)."""
+        ...
 
-    def prefill_step(self, row: int, sampling: SamplingParams, uniform: float) -> int | None: ...
+    def extend_step(self, row: int) -> bool:
+        """Prefill the next chunk of a piece before the prompt's end; True once the queued tokens are in."""
+        ...
+
+    def prefill_step(self, row: int, sampling: SamplingParams, uniform: float) -> int | None:
+        """Prefill the next chunk of the prompt's end; after the last one, the first token (the row joins)."""
+        ...
 
     def step(
         self, anchors: dict[int, int], sampling: dict[int, SamplingParams], uniforms: dict[int, float]
@@ -70,7 +80,7 @@ class _Cancelled(Exception):
 
 @attrs.define
 class _Call:
-    kind: str  # "prefill" | "step" (batched rows); "solo" | "solo-prefill" | "solo-verify" (a lone row, serial)
+    kind: str  # "extend" | "prefill" | "step" (batched rows); "solo" | "solo-prefill" | "solo-verify" (serial)
     tokens: list[int]
     sampling: SamplingParams
     uniform: float
@@ -89,7 +99,6 @@ class RowTarget:
         self.vocab_size = vocab_size
         self.solo = solo
         self._ids: list[int] = []
-        self._pending: list[int] = []  # prompt pieces extended before the final prefill call
         self._anchor: int | None = None
 
     def to_batched(self) -> None:
@@ -127,9 +136,8 @@ class RowTarget:
         if solo is not None:
             first: int = self._solo(lambda: solo.prefill(tokens, sampling, uniform), "solo-prefill")
             return first
-        whole, self._pending = [*self._pending, *tokens], []
-        token: int = self._lane.call(_Call("prefill", whole, sampling, uniform))
-        self._ids.extend(whole)
+        token: int = self._lane.call(_Call("prefill", list(tokens), sampling, uniform))
+        self._ids.extend(tokens)
         return token
 
     def verify(
@@ -187,8 +195,10 @@ class RowTarget:
 
     def extend(self, tokens: Sequence[int]) -> None:
         solo = self.solo
-        if solo is None:  # a batched row prefills its whole prompt, chunk by chunk, in the prefill call
-            self._pending.extend(tokens)
+        if solo is None:  # the scheduler runs the piece chunk by chunk; the lane resumes once it is cached
+            if tokens:
+                self._lane.call(_Call("extend", list(tokens), _GREEDY, 0.0))
+                self._ids.extend(tokens)
             return
         self._solo(lambda: solo.extend(tokens), "solo-prefill")
 
@@ -215,7 +225,7 @@ class Lane:
         self.call_pending: _Call | None = None
         self.done = False
         self.spent = False
-        self.opened = False
+        self.fed: _Call | None = None  # the prompt piece the backend holds for this row
         self.service: GenerationService | None = None  # set before the first resume
         self.target: RowTarget | None = None
         self._push = push
@@ -397,23 +407,29 @@ class BatchScheduler:
                 lane.resume(result)
             self._settle(lane)
         prefilling = [
-            lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "prefill"
+            lane
+            for lane in self._lanes
+            if lane.call_pending is not None and lane.call_pending.kind in ("extend", "prefill")
         ]
         for lane in prefilling:  # one chunk each per tick, interleaved with the decode step
             call = lane.call_pending
             assert call is not None
-            if not lane.opened:
-                self._backend.open(lane.row, call.tokens)
-                lane.opened = True
+            if lane.fed is not call:
+                self._backend.feed(lane.row, call.tokens)
+                lane.fed = call
             prefilled += 1
             try:
-                token = self._backend.prefill_step(lane.row, call.sampling, call.uniform)
+                if call.kind == "extend":  # the piece is in: the lane goes on (its progress event, the next piece)
+                    token, done = None, self._backend.extend_step(lane.row)
+                else:  # the prompt's end: done with the first token
+                    token = self._backend.prefill_step(lane.row, call.sampling, call.uniform)
+                    done = token is not None
             except Exception as exc:
                 self._backend.close(lane.row)
                 lane.resume(exc)
                 self._settle(lane)
                 continue
-            if token is not None:
+            if done:
                 lane.resume(token)
                 self._settle(lane)
         stepping = [lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "step"]

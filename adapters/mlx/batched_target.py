@@ -1,7 +1,7 @@
 """BatchedPlainTarget: plain decoding of many requests in one forward over mlx-lm's batched KV cache.
 
-Each row is prefilled alone (the same chunks and the same last-token forward as `MlxTargetModel.prefill`,
-so its first token is the solo one) into its own `KVCache` list; it then joins the shared `BatchKVCache`
+Each row is prefilled alone (the same pieces, chunks and last-token forward as `MlxTargetModel.extend` and
+`prefill`, so its first token is the solo one) into its own `KVCache` list; it then joins the shared `BatchKVCache`
 (left-padded, with per-row masks and RoPE offsets) and every decode step runs all rows as one [B, 1]
 forward. Finished rows are filtered out at once. Only dense KV targets batch: rotating (sliding-window)
 and recurrent caches have no batched form here, so `batch_backend` returns None for them and they run
@@ -27,12 +27,15 @@ from mlx_dspark.domain.tokens import SamplingParams
 class _Row:
     def __init__(self, caches: list[Any]) -> None:
         self.caches = caches
-        self.pending: list[int] = []  # prompt tokens not yet prefilled (the last one included)
+        self.pending: list[int] = []  # queued prompt tokens not yet prefilled
         self.joined = False
 
 
 class BatchedPlainTarget:
     """Rows keyed by the caller's ids; prefill chunk by chunk, then batched one-token steps.
+
+    A row's prompt comes in the pieces the serial target gets: `extend` pieces (queued by `feed`, run by
+    `extend_step`), then the prompt's end (`feed`, then `prefill_step`), each cut into the same chunks.
 
     Args:
         model: the mlx-lm module (shared with the serial target: weights are not copied).
@@ -53,19 +56,31 @@ class BatchedPlainTarget:
         """Rows in the decode batch."""
         return len(self._order)
 
-    def open(self, row: int, prompt: Sequence[int]) -> None:
-        """Start a row: its prompt is prefilled by `prefill_step` calls."""
-        if row in self._rows:
-            raise ValueError(f"row {row} is already open")
-        if not prompt:
-            raise ValueError("prefill needs at least one token")
-        r = _Row(cache_ops.make_caches(self._model))
-        r.pending = list(prompt)
-        self._rows[row] = r
+    def feed(self, row: int, tokens: Sequence[int]) -> None:
+        """Queue prompt tokens of `row` (starting the row): `extend_step` or `prefill_step` calls run them."""
+        r = self._rows.get(row)
+        if r is None:
+            r = self._rows[row] = _Row(cache_ops.make_caches(self._model))
+        elif r.joined:
+            raise ValueError(f"row {row} is already in the batch")
+        r.pending.extend(tokens)
+
+    def extend_step(self, row: int) -> bool:
+        """Run the next chunk of the row's queued tokens without logits (as `MlxTargetModel.extend`); True when
+        none is left."""
+        r = self._rows[row]
+        piece, r.pending = r.pending[: self._chunk], r.pending[self._chunk :]
+        if piece:
+            self._model(mx.array(piece)[None], cache=r.caches)
+            mx.eval(cache_ops.cache_arrays(r.caches))
+        return not r.pending
 
     def prefill_step(self, row: int, sampling: SamplingParams, uniform: float) -> int | None:
-        """Run the row's next prompt chunk; after the last one, its first token (then the row is in the batch)."""
+        """Run the next chunk of the prompt's end (`MlxTargetModel.prefill`); after the last one, the first token
+        (then the row is in the batch)."""
         r = self._rows[row]
+        if not r.pending:
+            raise ValueError("prefill needs at least one token")
         if len(r.pending) > 1:
             body = len(r.pending) - 1
             piece, r.pending = r.pending[: min(self._chunk, body)], r.pending[min(self._chunk, body) :]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -395,3 +396,41 @@ def test_a_switch_through_a_batching_engine_serves_the_new_service_in_the_batch(
         engine.stop(timeout=10)
     assert engine.generator is replacement
     assert tuple(t for i in out if isinstance(i, TextChunk) for t in i.token_ids) == solo("qwen3", req)[0]
+
+
+def test_a_joining_rows_prefill_progress_grows_as_the_scheduler_prefills_its_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Progress every 4 tokens, chunks of 2: each piece of the joining row's prompt takes two ticks.
+    from mlx_dspark.application import prefill as prefill_mod
+    from mlx_dspark.domain.events import PrefillProgress, TokensCommitted
+
+    monkeypatch.setattr(prefill_mod, "PROGRESS_EVERY", 4)
+    gen = service("llama", chunk=2)
+    first = GenerationRequest(prompt=(20, 30, 40), max_tokens=40, request_id="first")
+    second = GenerationRequest(prompt=tuple(range(8, 8 + 30)), max_tokens=3, request_id="second")
+    assert len(solo("llama", first)[0]) == 40  # the first row decodes all through the second one's prefill
+    jobs = [Job(first), Job(second)]
+    backend = batch_backend(gen.model.target)
+    assert backend is not None
+    scheduler = BatchScheduler(backend, gen, max_batch=4, push=push)
+    pending = [jobs[1]]
+
+    def take() -> Job | None:
+        return pending.pop() if pending and len(jobs[0].items) == 2 else None
+
+    scheduler.run(jobs[0], take)
+    recorded: list[tuple[str, Any]] = gen.telemetry.events  # type: ignore[attr-defined]
+    at = [i for i, (rid, e) in enumerate(recorded) if rid == "second" and isinstance(e, PrefillProgress)]
+    progress = [recorded[i][1] for i in at]
+    assert [p.done for p in progress] == [4, 8, 12, 16, 20, 24, 28, 30]
+    assert all(p.total == 30 and p.reused == 0 for p in progress)
+    for before, after in itertools.pairwise(at):  # the first row decoded in batched steps between two pieces
+        between = recorded[before + 1 : after]
+        assert any(rid == "first" and isinstance(e, TokensCommitted) for rid, e in between)
+        assert any(isinstance(e, BatchStepped) and e.width >= 1 and e.prefilling >= 1 for _, e in between)
+    second_tokens = [i for i, (rid, e) in enumerate(recorded) if rid == "second" and isinstance(e, TokensCommitted)]
+    assert second_tokens[0] > at[-1]  # its first token comes after its whole prompt is in
+    assert scheduler.migrations == 1 and scheduler.widest == 2
+    assert jobs[0].tokens() == solo("llama", first)[0]
+    assert jobs[1].tokens() == solo("llama", second)[0]
