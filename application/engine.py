@@ -103,6 +103,8 @@ class EngineThread:
         name: the thread's name.
         max_batch: requests decoded together (1: strictly one at a time).
         batch_backend: the target's batched form, when it has one (plain decoding only).
+        on_serve: runs on the engine thread with each GenerationService before it is served (after the load,
+            at every switch): facts measured there can be read by callers without waiting for the engine.
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class EngineThread:
         name: str = "mlx-dspark-engine",
         max_batch: int = 1,
         batch_backend: BatchBackendFactory | None = None,
+        on_serve: Callable[[GenerationService], None] | None = None,
     ) -> None:
         self._factory = generator_factory
+        self._on_serve = on_serve
         self._max_batch = max_batch
         self._batch_backend = batch_backend
         self._batcher: BatchScheduler | None = None
@@ -191,6 +195,7 @@ class EngineThread:
 
         def work(current: GenerationService) -> Iterator[GenerationService]:
             new = factory(current)
+            self._serving(new)
             self._generator = new
             _log.info("engine.switched", model=new.model.name, mode=new.mode)
             yield new
@@ -242,7 +247,9 @@ class EngineThread:
     def _main(self) -> None:
         try:
             try:
-                self._generator = self._factory()
+                generator = self._factory()
+                self._serving(generator)
+                self._generator = generator
             except BaseException as exc:
                 self.load_error = exc
                 _log.error("engine.load_failed", error=str(exc), exc_info=exc)
@@ -277,6 +284,14 @@ class EngineThread:
                 self._run_quick(self._generator)
         finally:
             self._drain()
+
+    def _serving(self, generator: GenerationService) -> None:
+        if self._on_serve is None:
+            return
+        try:
+            self._on_serve(generator)
+        except Exception as exc:  # a fact that cannot be measured must not stop the model being served
+            _log.warning("engine.on_serve_failed", error=str(exc))
 
     def _run_quick(self, generator: GenerationService) -> None:
         while True:

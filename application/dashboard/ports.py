@@ -74,7 +74,9 @@ class MachineProbe(Protocol):
         ...
 
     def memory_in_use(self) -> dict[str, int]:
-        """{"active": bytes, "peak": bytes, "cache": bytes} as MLX reports them (0 where unknown)."""
+        """{"active": bytes, "peak": bytes, "cache": bytes} as MLX reports them (0 where unknown).
+
+        Counter reads, safe from any thread: the gauge reads them live, never through the engine."""
         ...
 
     def model_bytes(self, handle: Any) -> int:

@@ -96,11 +96,13 @@ def create_app(services: Services, settings: Settings | None = None) -> Litestar
 
         return build_generator(services, settings)
 
+    dashboard = build_dashboard(services, settings)
     engine = EngineThread(
         build,
         max_queue=settings.server.max_queue,
         max_batch=settings.server.max_batch,
         batch_backend=batch_backend_factory(),
+        on_serve=dashboard.served,
     )
     ctx = support.HttpContext(engine=engine, chat=ChatService(services.families, settings.server), settings=settings)
 
@@ -112,7 +114,6 @@ def create_app(services: Services, settings: Settings | None = None) -> Litestar
         finally:
             engine.stop(timeout=5)
 
-    dashboard = build_dashboard(services, settings)
     cors = CORSConfig(allow_origins=list(settings.server.cors_origins)) if settings.server.cors_origins else None
     fallback = _fallback_handler()
     return Litestar(

@@ -109,3 +109,26 @@ def test_stopping_answers_every_queued_job_in_both_lanes() -> None:
                 await asyncio.wait_for(job.next(), 5)
 
     asyncio.run(main())
+
+
+def test_on_serve_sees_each_service_on_the_engine_thread_before_it_is_served_and_cannot_stop_it() -> None:
+    first = SimpleNamespace(model=SimpleNamespace(name="first"), mode="baseline", prefix_cache=None)
+    second = SimpleNamespace(model=SimpleNamespace(name="second"), mode="baseline", prefix_cache=None)
+    seen: list[tuple[str, str, bool]] = []
+
+    def on_serve(generator: Any) -> None:
+        seen.append((generator.model.name, threading.current_thread().name, engine._generator is generator))
+        if generator is second:
+            raise RuntimeError("cannot measure")
+
+    engine = EngineThread(lambda: first, on_serve=on_serve)  # type: ignore[arg-type, return-value]
+    engine.start()
+    assert engine.wait_ready(5)
+
+    async def main() -> None:
+        await engine.switch(lambda _current: second).next()  # type: ignore[arg-type, return-value]
+
+    asyncio.run(main())
+    engine.stop(5)
+    assert seen == [("first", "mlx-dspark-engine", False), ("second", "mlx-dspark-engine", False)]
+    assert engine.generator is second  # a failed measurement does not stop the switch

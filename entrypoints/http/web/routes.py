@@ -181,18 +181,13 @@ async def login(request: Request[Any, Any, Any]) -> Response[Any]:
 # ---- status, gauge, metrics ----------------------------------------------------------------------------
 
 
-async def _model_bytes(request: Request[Any, Any, Any]) -> int:
-    """The served model's weight bytes, measured once per model on the engine thread."""
+def _model_bytes(request: Request[Any, Any, Any]) -> int:
+    """The served model's weight bytes, measured by the engine when it began serving it (`Dashboard.served`):
+    never a job, so the gauge answers while a long exclusive job (race, roofline) holds the engine."""
     ctx, d = support.context(request), dashboard(request)
     if not ctx.engine.ready:
         return 0
-    identity = ctx.engine.generator.model.identity
-    if identity not in d.model_bytes:
-        probe = d.probe
-        job = ctx.engine.submit(lambda g: iter([probe.model_bytes(g.model.handle)]))
-        async for value in job:
-            d.model_bytes[identity] = int(value)
-    return d.model_bytes.get(identity, 0)
+    return d.model_bytes.get(ctx.engine.generator.model.identity, 0)
 
 
 @get("/ui/api/status")
@@ -213,7 +208,7 @@ async def status(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "live_tok_s": snap.get("live_tok_s", 0.0),
         "last_tok_s": last.get("tok_s", 0.0),
         "active_requests": snap.get("active_requests", 0),
-        "model_bytes": await _model_bytes(request),
+        "model_bytes": _model_bytes(request),
         "memory": d.probe.memory_in_use(),
         "totals": snap.get("totals", {}),
     }
@@ -242,7 +237,7 @@ async def prometheus(request: Request[Any, Any, Any]) -> Response[str]:
         ready=engine.ready,
         queue_depth=engine.queue_depth,
         memory=d.probe.memory_in_use(),
-        model_bytes=await _model_bytes(request),
+        model_bytes=_model_bytes(request),
         http_streams=dict(getattr(ctx, "stream_outcomes", {})),
     )
     return Response(content=body, media_type=metrics.CONTENT_TYPE)

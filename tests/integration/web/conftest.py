@@ -109,7 +109,7 @@ def dashboard_flags(tmp: Path, hub: FakeHub) -> dict[str, str]:
 def engine_held(engine: Any) -> Iterator[Callable[[int], None]]:
     """Hold `engine` with an exclusive job that waits; the yielded `release(n)` lets it go once `n` jobs wait
     behind it, so they start together (in one batch, on a batching engine). The status gauge and /metrics
-    measure on the engine thread too: read them before or after, not while held."""
+    queue nothing for the engine, so they can be read while it is held."""
     gate = threading.Event()
 
     def hold(_: Any) -> Iterator[None]:

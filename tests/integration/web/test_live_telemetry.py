@@ -5,6 +5,7 @@ on a batching engine over a tiny MLX model."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,7 @@ class TinyMlxLoader:
             tokenizer=tokenizer,
             context_window=4096,
             family="qwen3",
+            handle=model,  # the mlx-lm module, as the HF loader hands it out
         )
 
     def load_target(self, name: str) -> Any:
@@ -168,9 +170,8 @@ class TinyMlxLoader:
         return None
 
 
-@pytest.fixture(scope="module")
-def batching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    tmp: Path = tmp_path_factory.mktemp("batching")
+def tiny_mlx_server(tmp: Path) -> Iterator[tuple[str, Any]]:
+    """A batching server over the tiny MLX model: (base URL, engine)."""
     with serve(fake_hub()) as hub:
         flags = {"mode": "baseline", "max_batch": "4", **dashboard_flags(tmp, hub)}
         settings = load_settings(flags, environ={})
@@ -184,6 +185,11 @@ def batching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, An
         app = create_app(services, settings)
         for base, _ in _serve(app):
             yield base, app.state.ctx.engine
+
+
+@pytest.fixture(scope="module")
+def batching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
+    yield from tiny_mlx_server(tmp_path_factory.mktemp("batching"))
 
 
 def test_two_concurrent_requests_show_a_batch_of_two(batching: tuple[str, Any]) -> None:
@@ -215,3 +221,30 @@ def test_two_concurrent_requests_show_a_batch_of_two(batching: tuple[str, Any]) 
     after = metrics(base)
     steps = sample(after, "mlx_dspark_batch_steps", width="2") - sample(before, "mlx_dspark_batch_steps", width="2")
     assert steps > 0 and sample(after, "mlx_dspark_batch_width_max") == 2
+
+
+def test_the_gauge_and_metrics_answer_while_an_exclusive_job_holds_the_engine(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.mlx.memory import MlxMachineProbe
+
+    # A fresh server, so no gauge read came before the hold: the model's bytes were measured when it was served.
+    for base, engine in tiny_mlx_server(tmp_path):
+        expected = MlxMachineProbe().model_bytes(engine.generator.model.handle)
+        with engine_held(engine):
+            for _ in range(400):  # the hold is running (taken off the queue)
+                if engine.queue_depth == 0:
+                    break
+                time.sleep(0.025)
+            first = httpx.get(base + "/ui/api/status", timeout=10).json()
+            ballast = mx.ones((16 << 20,), dtype=mx.float32)  # 64 MiB more in use, the engine still held
+            mx.eval(ballast)
+            second = httpx.get(base + "/ui/api/status", timeout=10).json()
+            during = metrics(base)
+            assert engine.queue_depth == 0  # the reads queued nothing for the engine
+        del ballast
+        assert expected > 0 and first["model_bytes"] == second["model_bytes"] == expected
+        assert second["memory"]["active"] >= first["memory"]["active"] + (64 << 20)  # live, not frozen
+        assert sample(during, "mlx_dspark_model_memory_bytes") == expected
+        assert sample(during, "mlx_dspark_memory_bytes", kind="active") >= second["memory"]["active"]
+        assert sample(during, "mlx_dspark_up") == 1.0
