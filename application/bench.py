@@ -1,6 +1,8 @@
 """Use case: `mlx-dspark bench` — warm runs of each mode on a fixed prompt set, the baseline measured in
 the same run, a lossless check against it, and the report (data and its JSON document; the CLI renders
-the table and the plot).
+the table and the plot). With a reference decoder (`--against mlx-lm`) its plain greedy decoding runs
+right after ours on every prompt and each mode gets the paired ratio ours / reference; `run_prefill_bench`
+times prefill alone at given lengths, ours against the reference.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import attrs
 
 from mlx_dspark.application.calibration import Progress, curves_for
 from mlx_dspark.application.data import PromptSet
-from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
-from mlx_dspark.application.ports import CalibrationStore, LoadedModel
+from mlx_dspark.application.generation import (
+    GenerationRequest,
+    GenerationResult,
+    GenerationService,
+    MonotonicClock,
+)
+from mlx_dspark.application.ports import CalibrationStore, LoadedModel, ReferenceDecoder, ReferenceRun
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector
+from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
-BENCH_SCHEMA = "mlx-dspark/bench/2"  # 2: per-class speedups and the sources each run ended on
+BENCH_SCHEMA = "mlx-dspark/bench/3"  # 3: prefill tok/s, the reference's row and ratios, prefill lengths
 BASELINE = PLAIN
 
 
@@ -32,6 +40,8 @@ class BenchRunner(Protocol):
     def model(self) -> LoadedModel: ...
 
     def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    def encode_prompt(self, request: GenerationRequest) -> list[int]: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +59,8 @@ class BenchRun:
     generated_tokens: int
     token_ids: tuple[int, ...]
     source: str = BASELINE  # the source that ran at the end of the request (auto may switch)
+    prompt_tokens: int = 0
+    prefill_tok_s: float = 0.0  # prompt tokens prefilled (none cached) ÷ time to the first token
 
 
 @attrs.frozen(kw_only=True)
@@ -62,6 +74,12 @@ class ModeSummary:
         per_class: median decode tok/s per prompt class.
         per_class_speedup: per class, median decode tok/s ÷ the baseline's on the same class.
         sources: how many runs ended on each draft source (auto's choices; one entry for a fixed mode).
+        prefill_tok_s: median prefill tok/s.
+        decode_vs_reference: median over prompts and trials of this mode's decode tok/s ÷ the reference's on
+            the same prompt and trial (None without a reference).
+        prefill_vs_reference: the same ratio of prefill tok/s.
+        per_class_vs_reference: decode_vs_reference per prompt class.
+        first_divergence: per mismatched prompt, the index of the first token that differs from the baseline.
     """
 
     mode: str
@@ -76,6 +94,33 @@ class ModeSummary:
     per_class: Mapping[str, float]
     per_class_speedup: Mapping[str, float | None] = attrs.field(factory=dict)
     sources: Mapping[str, int] = attrs.field(factory=dict)
+    prefill_tok_s: float = 0.0
+    decode_vs_reference: float | None = None
+    prefill_vs_reference: float | None = None
+    per_class_vs_reference: Mapping[str, float | None] = attrs.field(factory=dict)
+    first_divergence: Mapping[str, int] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillPoint:
+    """Prefill alone at one prompt length (synthetic ids, cold cache, prefix cache off).
+
+    Attributes:
+        tokens: prompt length.
+        ours_tok_s: median of ours.
+        reference_tok_s: median of the reference's (None without one).
+        ratio: median over trials of ours ÷ the reference's, paired per trial.
+        same_first_token: both produced the same first (greedy) token in every trial.
+        ours_s: our prefill seconds per trial; reference_s the reference's.
+    """
+
+    tokens: int
+    ours_tok_s: float
+    reference_tok_s: float | None
+    ratio: float | None
+    same_first_token: bool | None
+    ours_s: tuple[float, ...]
+    reference_s: tuple[float, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -92,10 +137,16 @@ class BenchReport:
     runs: tuple[BenchRun, ...]
     curves: Mapping[str, CostCurves] = attrs.field(factory=dict)
     environment: Mapping[str, Any] = attrs.field(factory=dict)
+    reference: str | None = None  # the reference decoder's name; its runs are the mode of that name
+    prefill: tuple[PrefillPoint, ...] = ()
 
 
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
+
+
+def _prefill_rate(prompt_tokens: int, cached: int, prefill_s: float) -> float:
+    return (prompt_tokens - cached) / prefill_s if prefill_s > 0 else 0.0
 
 
 def run_bench(
@@ -110,14 +161,17 @@ def run_bench(
     curves: Mapping[str, CostCurves] | None = None,
     environment: Mapping[str, Any] | None = None,
     progress: Callable[[str, float], None] | None = None,
+    reference: ReferenceDecoder | None = None,
+    clock: Clock | None = None,
 ) -> BenchReport:
     """Run every mode on every prompt `trials` times and summarize.
 
-    The baseline (if present) runs first. Each mode gets one untimed warm-up request; every timed request
-    starts from an empty target cache, so no run reuses another mode's (or trial's) prompt rows.
+    Each mode gets one untimed warm-up request; then, per trial and prompt, every mode runs back to back
+    (the baseline first, the reference right after it), so slow drift of the machine hits all alike.
+    Every timed request starts from an empty target cache, so no run reuses another's prompt rows.
 
     Args:
-        runners: mode name → GenerationService (or anything with `model` and `generate`).
+        runners: mode name → GenerationService (or anything with `model`, `generate` and `encode_prompt`).
         prompts: the prompt set.
         trials: runs per prompt per mode (medians are over all of them).
         max_tokens: tokens per request.
@@ -127,28 +181,49 @@ def run_bench(
         curves: cost curves to include in the report (JSON and plot).
         environment: device/MLX facts to include in the report.
         progress: status-line callback (message, fraction done).
+        reference: another implementation's greedy plain decoding on the same model (needs temperature 0),
+            reported as the mode of its name with every mode's paired ratio against it.
+        clock: times the reference (default: a monotonic clock).
     """
     if trials < 1:
         raise ValueError("trials must be >= 1")
+    if reference is not None and temperature != 0:
+        raise InvalidRequest(message="a reference decoder runs greedy only: use --temperature 0", param="against")
+    if reference is not None and reference.name in runners:
+        raise ValueError(f"a mode is already named {reference.name!r}")
     order = sorted(runners, key=lambda m: m != BASELINE)
+    ref_clock = clock or MonotonicClock()
     sampling = SamplingParams(temperature=temperature, seed=seed)
-    total = len(order) * len(prompts.prompts) * trials
+    total = (len(order) + (reference is not None)) * len(prompts.prompts) * trials
     done = 0
     runs: list[BenchRun] = []
+    first = prompts.prompts[0]
     for mode in order:
-        runner = runners[mode]
-        first = prompts.prompts[0]
-        runner.model.target.reset(0)
-        runner.generate(
+        runners[mode].model.target.reset(0)
+        runners[mode].generate(
             GenerationRequest(prompt=first.prompt, max_tokens=warmup_tokens, sampling=sampling, prefix_cache=False)
         )
-        for trial in range(trials):
-            for p in prompts.prompts:
+    lead = runners[order[0]] if order else None
+    if reference is not None and lead is not None:
+        ids = lead.encode_prompt(GenerationRequest(prompt=first.prompt))
+        reference.generate(
+            lead.model, ids, max_tokens=warmup_tokens, eos_ids=lead.model.tokenizer.eos_ids, clock=ref_clock
+        )
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(label, done / max(total, 1))
+
+    for trial in range(trials):
+        for p in prompts.prompts:
+            request = GenerationRequest(prompt=p.prompt, max_tokens=max_tokens, sampling=sampling, prefix_cache=False)
+            for mode in order:
+                runner = runners[mode]
                 # A cold prompt on a warm model: the same work for every mode and trial.
                 runner.model.target.reset(0)
-                r = runner.generate(
-                    GenerationRequest(prompt=p.prompt, max_tokens=max_tokens, sampling=sampling, prefix_cache=False)
-                )
+                r = runner.generate(request)
                 runs.append(
                     BenchRun(
                         mode=mode,
@@ -162,12 +237,16 @@ def run_bench(
                         generated_tokens=r.generated_tokens,
                         token_ids=r.token_ids,
                         source=r.source,
+                        prompt_tokens=r.prompt_tokens,
+                        prefill_tok_s=_prefill_rate(r.prompt_tokens, r.cached_prompt_tokens, r.prefill_s),
                     )
                 )
-                done += 1
-                if progress is not None:
-                    progress(f"{mode} {p.id} trial {trial + 1}/{trials}", done / max(total, 1))
+                tick(f"{mode} {p.id} trial {trial + 1}/{trials}")
+                if reference is not None and mode == order[0]:
+                    runs.append(_reference_run(reference, runner, request, p.id, p.cls, trial, ref_clock))
+                    tick(f"{reference.name} {p.id} trial {trial + 1}/{trials}")
     model = next(iter(runners.values())).model if runners else None
+    modes = [*order[:1], *([reference.name] if reference is not None and order else []), *order[1:]]
     return BenchReport(
         model=model.name if model else "",
         model_identity=model.identity if model else "",
@@ -175,33 +254,101 @@ def run_bench(
         trials=trials,
         max_tokens=max_tokens,
         temperature=temperature,
-        modes=summarize(runs, order, greedy=sampling.greedy),
+        modes=summarize(
+            runs, modes, greedy=sampling.greedy, reference=reference.name if reference is not None else None
+        ),
         runs=tuple(runs),
         curves=dict(curves or {}),
         environment=dict(environment or {}),
+        reference=reference.name if reference is not None else None,
     )
 
 
-def summarize(runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool) -> tuple[ModeSummary, ...]:
-    """Per-mode medians, speedups against the baseline and the lossless verdicts."""
+def _reference_run(
+    reference: ReferenceDecoder,
+    runner: BenchRunner,
+    request: GenerationRequest,
+    prompt_id: str,
+    cls: str,
+    trial: int,
+    clock: Clock,
+) -> BenchRun:
+    """The reference on the very prompt ids ours decoded (chat template and all), same budget and EOS."""
+    model = runner.model
+    ids = runner.encode_prompt(request)
+    got: ReferenceRun = reference.generate(
+        model, ids, max_tokens=request.max_tokens, eos_ids=model.tokenizer.eos_ids, clock=clock
+    )
+    n = len(got.token_ids)
+    return BenchRun(
+        mode=reference.name,
+        prompt_id=prompt_id,
+        cls=cls,
+        trial=trial,
+        decode_tok_s=got.tokens_per_second,
+        e2e_tok_s=n / max(got.prefill_s + got.decode_s, 1e-9),
+        ttft_s=got.prefill_s,
+        mean_accepted=1.0 if n > 1 else 0.0,
+        generated_tokens=n,
+        token_ids=got.token_ids,
+        source=reference.name,
+        prompt_tokens=len(ids),
+        prefill_tok_s=_prefill_rate(len(ids), 0, got.prefill_s),
+    )
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The index of the first differing token (the shorter length if one is a prefix), None if identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _paired(
+    runs: Sequence[BenchRun], ref: Mapping[tuple[str, int], BenchRun], rate: Callable[[BenchRun], float]
+) -> list[float]:
+    out = []
+    for r in runs:
+        other = ref.get((r.prompt_id, r.trial))
+        if other is not None and rate(other) > 0:
+            out.append(rate(r) / rate(other))
+    return out
+
+
+def _decode_ratio(runs: Sequence[BenchRun], ref: Mapping[tuple[str, int], BenchRun]) -> float | None:
+    ratios = _paired(runs, ref, lambda r: r.decode_tok_s)
+    return _median(ratios) if ratios else None
+
+
+def summarize(
+    runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool, reference: str | None = None
+) -> tuple[ModeSummary, ...]:
+    """Per-mode medians, speedups against the baseline, ratios against the reference and lossless verdicts."""
     by_mode = {m: [r for r in runs if r.mode == m] for m in order}
     base = by_mode.get(BASELINE, [])
     base_rate = _median([r.decode_tok_s for r in base])
     base_class = {c: _median([r.decode_tok_s for r in base if r.cls == c]) for c in {r.cls for r in base}}
-    reference = {r.prompt_id: r.token_ids for r in base if r.trial == 0}
+    reference_ids = {r.prompt_id: r.token_ids for r in base if r.trial == 0}
+    ref_runs = {(r.prompt_id, r.trial): r for r in by_mode.get(reference or "", [])} if reference else {}
     out = []
     for mode in order:
         rs = by_mode[mode]
         rate = _median([r.decode_tok_s for r in rs])
         lossless: bool | None = None
         mismatched: tuple[str, ...] = ()
-        if greedy and reference:
-            mismatched = tuple(
-                sorted({r.prompt_id for r in rs if reference.get(r.prompt_id, r.token_ids) != r.token_ids})
-            )
+        divergence: dict[str, int] = {}
+        if greedy and reference_ids:
+            for r in rs:
+                expected = reference_ids.get(r.prompt_id, r.token_ids)
+                at = first_divergence(expected, r.token_ids)
+                if at is not None:
+                    divergence[r.prompt_id] = min(at, divergence.get(r.prompt_id, at))
+            mismatched = tuple(sorted(divergence))
             lossless = not mismatched
         classes = sorted({r.cls for r in rs})
         per_class = {c: _median([r.decode_tok_s for r in rs if r.cls == c]) for c in classes}
+        prefill_ratio = _paired(rs, ref_runs, lambda r: r.prefill_tok_s)
         out.append(
             ModeSummary(
                 mode=mode,
@@ -218,9 +365,118 @@ def summarize(runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool) -
                     c: (per_class[c] / base_class[c]) if base_class.get(c, 0.0) > 0 else None for c in classes
                 },
                 sources=dict(sorted(Counter(r.source for r in rs).items())),
+                prefill_tok_s=_median([r.prefill_tok_s for r in rs]),
+                decode_vs_reference=_decode_ratio(rs, ref_runs),
+                prefill_vs_reference=_median(prefill_ratio) if prefill_ratio else None,
+                per_class_vs_reference={c: _decode_ratio([r for r in rs if r.cls == c], ref_runs) for c in classes}
+                if ref_runs
+                else {},
+                first_divergence=dict(sorted(divergence.items())),
             )
         )
     return tuple(out)
+
+
+def synthetic_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """`length` well-mixed token ids (an LCG over the vocabulary, above the low special ids where it is large)."""
+    low = 256 if vocab_size > 1024 else 0
+    state = 0x9E3779B9 + seed
+    out = []
+    for _ in range(length):
+        state = (state * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+        out.append(low + (state >> 33) % (vocab_size - low))
+    return out
+
+
+def run_prefill_bench(
+    runner: BenchRunner,
+    lengths: Sequence[int],
+    *,
+    reference: ReferenceDecoder | None = None,
+    trials: int = 3,
+    clock: Clock | None = None,
+    progress: Callable[[str, float], None] | None = None,
+) -> tuple[PrefillPoint, ...]:
+    """Prefill alone at each length: synthetic ids, a cold cache, no prefix cache; ours then the reference
+    (with its default prefill step) on the same ids, alternating per trial.
+
+    Ours is the whole request path up to the first token (`GenerationResult.prefill_s`), one token asked.
+    A length at or past the context window is cut to fit (the point reports the length really run).
+    """
+    if trials < 1:
+        raise ValueError("trials must be >= 1")
+    model = runner.model
+    ref_clock = clock or MonotonicClock()
+    eos = model.tokenizer.eos_ids
+    fit = [min(int(n), model.context_window - 1) for n in lengths]
+    if not fit or min(fit) < 1:
+        raise InvalidRequest(message=f"prefill lengths must be positive, got {list(lengths)}", param="prefill_lengths")
+
+    def ours(ids: list[int]) -> tuple[float, tuple[int, ...]]:
+        model.target.reset(0)
+        r = runner.generate(GenerationRequest(prompt=ids, max_tokens=1, prefix_cache=False))
+        return r.prefill_s, r.token_ids
+
+    def theirs(ids: list[int]) -> tuple[float, tuple[int, ...]]:
+        assert reference is not None
+        got = reference.generate(model, ids, max_tokens=1, eos_ids=eos, clock=ref_clock)
+        return got.prefill_s, got.token_ids
+
+    warm = synthetic_prompt(min(64, model.context_window - 1), model.target.vocab_size, seed=99)
+    ours(warm)
+    if reference is not None:
+        theirs(warm)
+    points = []
+    total, done = len(fit) * trials, 0
+    for n in fit:
+        ids = synthetic_prompt(n, model.target.vocab_size, seed=n)
+        mine: list[float] = []
+        other: list[float] = []
+        same = True
+        for trial in range(trials):
+            a_s, a_ids = ours(ids)
+            mine.append(a_s)
+            if reference is not None:
+                b_s, b_ids = theirs(ids)
+                other.append(b_s)
+                same = same and a_ids == b_ids
+            done += 1
+            if progress is not None:
+                progress(f"prefill {n} tokens trial {trial + 1}/{trials}", done / total)
+        ours_rate = n / _median(mine) if _median(mine) > 0 else 0.0
+        ratios = [b / a for a, b in zip(mine, other) if a > 0 and b > 0]
+        points.append(
+            PrefillPoint(
+                tokens=n,
+                ours_tok_s=ours_rate,
+                reference_tok_s=(n / _median(other) if _median(other) > 0 else 0.0) if other else None,
+                ratio=_median(ratios) if ratios else None,
+                same_first_token=same if reference is not None else None,
+                ours_s=tuple(mine),
+                reference_s=tuple(other),
+            )
+        )
+    model.target.reset(0)
+    return tuple(points)
+
+
+def prefill_json(points: Sequence[PrefillPoint], reference: str | None) -> dict[str, Any]:
+    """The `--prefill-lengths --json` document's points."""
+    return {
+        "reference": reference,
+        "points": [
+            {
+                "tokens": p.tokens,
+                "prefill_tok_s": p.ours_tok_s,
+                "reference_prefill_tok_s": p.reference_tok_s,
+                "prefill_vs_reference": p.ratio,
+                "same_first_token": p.same_first_token,
+                "ours_s": list(p.ours_s),
+                "reference_s": list(p.reference_s),
+            }
+            for p in points
+        ],
+    }
 
 
 def curves_json(curves: CostCurves) -> dict[str, Any]:
@@ -248,6 +504,7 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
         "settings": {"trials": report.trials, "max_tokens": report.max_tokens, "temperature": report.temperature},
         "environment": dict(report.environment),
         "baseline": BASELINE if any(m.mode == BASELINE for m in report.modes) else None,
+        "reference": report.reference,
         "modes": [
             {
                 "mode": m.mode,
@@ -262,6 +519,11 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
                 "per_class_decode_tok_s": dict(m.per_class),
                 "per_class_speedup": dict(m.per_class_speedup),
                 "sources": dict(m.sources),
+                "prefill_tok_s": m.prefill_tok_s,
+                "decode_vs_reference": m.decode_vs_reference,
+                "prefill_vs_reference": m.prefill_vs_reference,
+                "per_class_decode_vs_reference": dict(m.per_class_vs_reference),
+                "first_divergence": dict(m.first_divergence),
             }
             for m in report.modes
         ],
@@ -280,9 +542,13 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
                 "mean_accepted": r.mean_accepted,
                 "generated_tokens": r.generated_tokens,
                 "source": r.source,
+                "prompt_tokens": r.prompt_tokens,
+                "prefill_tok_s": r.prefill_tok_s,
             }
             for r in report.runs
         ]
+    if report.prefill:
+        doc["prefill"] = prefill_json(report.prefill, report.reference)
     return doc
 
 

@@ -21,6 +21,7 @@ from mlx_dspark.application.ports import (
     EmbeddedModels,
     ModelLoader,
     PrefixStore,
+    ReferenceDecoder,
     Runtime,
 )
 from mlx_dspark.application.prefix_cache import PrefixCaches
@@ -28,7 +29,7 @@ from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import TargetModel, TelemetrySink
 
-__all__ = ["Services", "build", "build_dashboard", "build_trainer", "embedded_models", "runtime"]
+__all__ = ["Services", "build", "build_dashboard", "build_trainer", "embedded_models", "reference_decoder", "runtime"]
 
 if TYPE_CHECKING:
     from mlx_dspark.application.dashboard.service import Dashboard
@@ -90,6 +91,13 @@ def runtime() -> Runtime:
     from mlx_dspark.adapters.mlx.runtime import MlxRuntime
 
     return MlxRuntime()
+
+
+def reference_decoder() -> ReferenceDecoder:
+    """What `bench --against mlx-lm` measures ours against: mlx-lm's `generate_step` on the same model object."""
+    from mlx_dspark.adapters.mlx.mlx_lm_reference import MlxLmReference
+
+    return MlxLmReference()
 
 
 def embedded_models() -> EmbeddedModels:

@@ -137,19 +137,78 @@ def _verify_call(target: TargetModel, stream: Sequence[int], depth: int, width: 
     return functools.partial(_verify_at, target, stream, depth, width)
 
 
-def measure_overhead(target: TargetModel, stream: Sequence[int], clock: Clock, tokens: int, depth: int) -> float:
-    """Per-round host seconds outside verify and draft, from a short run of the real decode loop."""
-    rounds, inside, decode_s = 0, 0.0, 0.0
+@attrs.frozen(kw_only=True)
+class RoundCosts:
+    """Where the time of real decode-loop rounds goes (means per round).
+
+    Attributes:
+        source: the draft source's name, or "none" for plain decoding.
+        rounds: rounds measured.
+        round_s: wall seconds per round (the loop's decode time ÷ rounds).
+        draft_s: seconds in the draft source (feature hand-over included).
+        verify_s: seconds in the target's verify and commit.
+        overhead_s: the rest of a round: round_s − draft_s − verify_s (host bookkeeping, events, acceptance).
+        drafted: tokens drafted per round.
+        committed: tokens committed per round.
+    """
+
+    source: str
+    rounds: int
+    round_s: float
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    drafted: float
+    committed: float
+
+
+def measure_rounds(
+    target: TargetModel,
+    stream: Sequence[int],
+    clock: Clock,
+    *,
+    tokens: int,
+    depth: int,
+    source: DraftSource | None = None,
+) -> RoundCosts:
+    """Run the real decode loop (greedy, `tokens` new tokens after `depth` prompt tokens) and split its rounds.
+
+    Args:
+        target: the target; its cache is reset first.
+        stream: realistic token ids (the prompt is its first `depth`).
+        clock: monotonic time.
+        tokens: tokens to generate (no EOS stops the run).
+        depth: prompt length.
+        source: the draft source (None = plain decoding); its full block every round.
+    """
+    rounds, draft, verify, drafted, committed, decode_s = 0, 0.0, 0.0, 0, 0, 0.0
     stop = StopRule(max_tokens=max(tokens, 2), eos_ids=frozenset())
-    for event in decode(target, list(stream[:depth]), GREEDY, stop, clock):
+    for event in decode(target, list(stream[:depth]), GREEDY, stop, clock, source=source):
         if isinstance(event, RoundFinished):
             rounds += 1
-            inside += event.draft_s + event.verify_s
+            draft += event.draft_s
+            verify += event.verify_s
+            drafted += event.drafted
+            committed += event.committed
         elif isinstance(event, Finished):
             decode_s = event.usage.decode_s
-    if rounds == 0:
-        return 0.0
-    return max(0.0, (decode_s - inside) / rounds)
+    n = max(rounds, 1)
+    return RoundCosts(
+        source=source.name if source is not None else "none",
+        rounds=rounds,
+        round_s=decode_s / n,
+        draft_s=draft / n,
+        verify_s=verify / n,
+        overhead_s=max(0.0, decode_s - draft - verify) / n,
+        drafted=drafted / n,
+        committed=committed / n,
+    )
+
+
+def measure_overhead(target: TargetModel, stream: Sequence[int], clock: Clock, tokens: int, depth: int) -> float:
+    """Per-round host seconds outside verify and draft, from a short run of the real decode loop."""
+    costs = measure_rounds(target, stream, clock, tokens=tokens, depth=depth)
+    return costs.overhead_s if costs.rounds else 0.0
 
 
 def measure_verify(
@@ -287,6 +346,56 @@ def calibrate_sources(
     if progress is not None:
         progress("calibrated", 1.0)
     return out
+
+
+@attrs.frozen(kw_only=True)
+class MachineCosts:
+    """`doctor`'s measured cost lines on one loaded target.
+
+    Attributes:
+        verify_s: seconds of one verify per width (at the measurement depth).
+        plain: real plain-decoding rounds (one step each).
+        drafters: per draft source name, its real rounds (full block each).
+    """
+
+    verify_s: Mapping[int, float]
+    plain: RoundCosts
+    drafters: Mapping[str, RoundCosts]
+
+
+def measure_costs(
+    model: LoadedModel,
+    sources: Mapping[str, DraftSource],
+    clock: Clock,
+    *,
+    widths: Sequence[int] = (1, 2, 4, 8, 16),
+    tokens: int = 16,
+    depth: int = 64,
+    plan: CalibrationPlan = CalibrationPlan(deep_depth=64, repeats=5),
+    progress: Progress | None = None,
+) -> MachineCosts:
+    """Plain step cost, verify cost per width, and each source's real rounds (draft, verify, overhead).
+
+    Each series gets one short untimed run first (first-shape compilation, caches).
+    """
+    target = model.target
+    steps = _Steps(2 + 2 * len(sources), progress)
+    stream = realistic_stream(model.tokenizer, target.vocab_size, max(depth, plan.deep_depth) + max(widths) + 16)
+    profile = measure_verify(
+        target, stream, clock, max_width=max(widths), context_window=model.context_window, plan=plan
+    )
+    steps.tick("verify cost")
+    plain = measure_rounds(target, stream, clock, tokens=tokens, depth=depth)
+    steps.tick("plain step")
+    drafters: dict[str, RoundCosts] = {}
+    for name, source in sources.items():
+        measure_rounds(target, stream, clock, tokens=4, depth=depth, source=source)
+        steps.tick(f"{name} warm-up")
+        drafters[name] = measure_rounds(target, stream, clock, tokens=tokens, depth=depth, source=source)
+        steps.tick(f"{name} rounds")
+    target.reset(0)
+    verify_s = {w: profile.verify_s[w] for w in widths if w in profile.verify_s}
+    return MachineCosts(verify_s=verify_s, plain=plain, drafters=drafters)
 
 
 def drafter_identity(kind: str, source: DraftSource | None) -> str:

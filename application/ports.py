@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from mlx_dspark.domain.cache import StoredPrefix
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
-from mlx_dspark.domain.model import LoadedModel, Tokenizer, TrainingTarget
-from mlx_dspark.domain.ports import CacheState, DraftSource
+from mlx_dspark.domain.model import LoadedModel, ReferenceRun, Tokenizer, TrainingTarget
+from mlx_dspark.domain.ports import CacheState, Clock, DraftSource
 
 __all__ = [
     "CalibrationStore",
@@ -20,6 +20,8 @@ __all__ = [
     "LoadedModel",
     "ModelLoader",
     "PrefixStore",
+    "ReferenceDecoder",
+    "ReferenceRun",
     "Runtime",
     "StoredPrefix",
     "Tokenizer",
@@ -159,4 +161,17 @@ class EmbeddedModels(Protocol):
         Raises:
             ModelUnavailable: an unknown model name, or the installer failed.
         """
+        ...
+
+
+class ReferenceDecoder(Protocol):
+    """Another implementation's plain greedy decoding on the same loaded model (`bench --against`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def generate(
+        self, model: LoadedModel, prompt: Sequence[int], *, max_tokens: int, eos_ids: frozenset[int], clock: Clock
+    ) -> ReferenceRun:
+        """Greedy-decode `prompt` on `model`'s own weights with a fresh cache of its own (ours is untouched)."""
         ...

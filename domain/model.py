@@ -1,4 +1,5 @@
-"""A loaded target as use cases see it, and the Tokenizer port its adapter provides (pure values)."""
+"""A loaded target as use cases see it, the Tokenizer port its adapter provides, and a reference decoder's
+timed run (pure values)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,24 @@ class TrainingTarget:
     tokenizer_size: int
     special_ids: tuple[int, ...] = ()
     reserved_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ReferenceRun:
+    """One greedy request decoded by a reference implementation, timed as ours is.
+
+    Attributes:
+        token_ids: the generated ids (an EOS ends them and is not included, as in ours).
+        prefill_s: prompt in → first token on the host.
+        decode_s: first token → last token on the host.
+    """
+
+    token_ids: tuple[int, ...]
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode tok/s, counted as ours: tokens after the first ÷ the time after the first."""
+        n = len(self.token_ids)
+        return (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else 0.0

@@ -3,45 +3,88 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
-from mlx_dspark.application.bench import BenchReport
+from mlx_dspark.application.bench import BenchReport, PrefillPoint
 
 
 def _times(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def _grid(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def render_table(report: BenchReport) -> str:
-    """The terminal table: one row per mode, its speedup per prompt class, and what auto ran."""
+    """The terminal table: one row per mode, its speedup per prompt class, what auto ran and, with a reference
+    (`--against`), its own row and every mode's paired decode and prefill ratio against it."""
     classes = sorted({p.cls for p in report.prompt_set.prompts})
-    head = ("mode", "decode tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", *classes, "lossless", "ran")
+    ref = report.reference
+    against = (f"decode/{ref}", f"prefill/{ref}") if ref else ()
+    head = (
+        "mode", "decode tok/s", "prefill tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", *against,
+        *classes, "lossless", "ran",
+    )  # fmt: skip
     rows = [head]
     for m in report.modes:
-        lossless = "n/a" if m.lossless is None else ("yes" if m.lossless else f"NO ({len(m.mismatched)})")
+        if m.lossless is None:
+            lossless = "n/a"
+        elif m.lossless:
+            lossless = "yes"
+        elif m.mode == ref:
+            lossless = "differs: " + ", ".join(f"{p}@{i}" for p, i in m.first_divergence.items())
+        else:
+            lossless = f"NO ({len(m.mismatched)})"
         ran = ", ".join(f"{name} {n}" for name, n in m.sources.items()) if set(m.sources) != {m.mode} else ""
+        ratios = (_times(m.decode_vs_reference), _times(m.prefill_vs_reference)) if ref else ()
         rows.append(
             (
                 m.mode,
                 f"{m.decode_tok_s:.2f}",
+                f"{m.prefill_tok_s:.1f}",
                 f"{m.e2e_tok_s:.2f}",
                 f"{m.ttft_s * 1e3:.0f}",
                 f"{m.mean_accepted:.2f}",
                 _times(m.speedup),
+                *ratios,
                 *(_times(m.per_class_speedup.get(c)) for c in classes),
                 lossless,
                 ran,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     title = (
         f"{report.model}: {len(report.prompt_set.prompts)} prompts ({report.prompt_set.name} "
         f"{report.prompt_set.version}) × {report.trials} trials, {report.max_tokens} tokens, "
         f"temperature {report.temperature:g}; medians; per-class columns are speedups on that class"
     )
-    return title + "\n" + "\n".join(lines) + "\n"
+    if ref:
+        title += f"; {ref} ran right after baseline on each prompt, ratios are paired per prompt (ours / {ref})"
+    return title + "\n" + "\n".join(_grid(rows)) + "\n"
+
+
+def render_prefill(model: str, points: Sequence[PrefillPoint], reference: str | None) -> str:
+    """The `--prefill-lengths` table: prefill tok/s per prompt length, ours and the reference's."""
+    theirs_head = (f"{reference} tok/s", f"ours/{reference}", "same 1st token") if reference else ()
+    head = ("tokens", "ours tok/s", *theirs_head)
+    rows = [head]
+    for p in points:
+        theirs = (
+            (
+                f"{p.reference_tok_s:.1f}" if p.reference_tok_s is not None else "n/a",
+                _times(p.ratio),
+                "n/a" if p.same_first_token is None else ("yes" if p.same_first_token else "NO"),
+            )
+            if reference
+            else ()
+        )
+        rows.append((str(p.tokens), f"{p.ours_tok_s:.1f}", *theirs))
+    title = f"{model}: prefill alone (synthetic ids, cold cache, prefix cache off), medians over trials"
+    return title + "\n" + "\n".join(_grid(rows)) + "\n"
 
 
 class PlotUnavailable(RuntimeError):

@@ -1,4 +1,5 @@
-"""`mlx-dspark doctor`: what this machine runs on and how fast a verify of k tokens is."""
+"""`mlx-dspark doctor`: what this machine runs on and what decoding costs on it: a plain step, a verify of k
+tokens, each available drafter's draft, and the round overhead outside verify and draft."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_dspark.application import bootstrap
-from mlx_dspark.application.calibration import CalibrationPlan, measure_verify, realistic_stream
+from mlx_dspark.application.calibration import MachineCosts, RoundCosts, measure_costs
 from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, settings_from, start
 
 PACKAGES = ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "mlx-lm", "transformers", "gguf", "litestar",
@@ -27,10 +28,67 @@ def installed() -> dict[str, str | None]:
     return out
 
 
+def _round_json(r: RoundCosts, step_s: float) -> dict[str, Any]:
+    return {
+        "rounds": r.rounds,
+        "round_ms": round(r.round_s * 1e3, 3),
+        "draft_ms": round(r.draft_s * 1e3, 3),
+        "verify_ms": round(r.verify_s * 1e3, 3),
+        "overhead_ms": round(r.overhead_s * 1e3, 3),
+        "overhead_share_of_step": round(r.overhead_s / step_s, 4) if step_s > 0 else None,
+        "drafted_per_round": round(r.drafted, 2),
+        "committed_per_round": round(r.committed, 2),
+    }
+
+
+def costs_json(costs: MachineCosts) -> dict[str, Any]:
+    """The measured cost fields of `doctor --json` (milliseconds)."""
+    step = costs.plain.round_s
+    base = costs.verify_s.get(1, 0.0)
+    return {
+        "step_ms": round(step * 1e3, 3),
+        "verify_ms": {w: round(s * 1e3, 2) for w, s in costs.verify_s.items()},
+        "verify_relative": {w: round(s / base, 2) if base > 0 else None for w, s in costs.verify_s.items()},
+        "rounds": {"plain": _round_json(costs.plain, step)}
+        | {name: _round_json(r, step) for name, r in costs.drafters.items()},
+    }
+
+
+def cost_lines(report: dict[str, Any]) -> list[str]:
+    """The cost lines of the terminal report."""
+    rounds = report["rounds"]
+    plain = rounds["plain"]
+    step = report["step_ms"]
+    lines = [
+        f"plain step    {step:.2f} ms/token ({1e3 / step:.1f} tok/s)" if step > 0 else "plain step    n/a",
+        "verify cost   "
+        + "  ".join(f"k={w}: {ms} ms ({report['verify_relative'][w]}x)" for w, ms in report["verify_ms"].items()),
+    ]
+    for name, r in rounds.items():
+        if name == "plain":
+            continue
+        lines.append(
+            f"drafter       {name}: {r['draft_ms']:.2f} ms per draft of {r['drafted_per_round']:.1f} tokens; "
+            f"round {r['round_ms']:.2f} ms = verify {r['verify_ms']:.2f} + draft {r['draft_ms']:.2f} "
+            f"+ overhead {r['overhead_ms']:.2f}; {r['committed_per_round']:.2f} tokens/round"
+        )
+
+    def share(r: dict[str, Any]) -> str:
+        s = r["overhead_share_of_step"]
+        return f"{r['overhead_ms']:.3f} ms ({s:.1%} of a step)" if s is not None else f"{r['overhead_ms']:.3f} ms"
+
+    lines.append("round overhead " + "; ".join(f"{name} {share(r)}" for name, r in rounds.items()))
+    if not plain["rounds"]:
+        lines.append("warning       no plain rounds measured")
+    return lines
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="mlx-dspark doctor", description=__doc__)
     add_model_args(p)
-    p.add_argument("--no-curve", action="store_true", help="skip loading the model and timing verifies")
+    p.add_argument(
+        "--no-curve", action="store_true", help="skip loading the model and timing steps, verifies and drafters"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     as_json, no_curve = args.json, args.no_curve
@@ -41,21 +99,15 @@ def main(argv: Sequence[str]) -> int:
         services = start(settings, quiet_logs=True)
         report: dict[str, Any] = {"runtime": bootstrap.runtime().report(), "packages": installed()}
         if not no_curve:
-            progress_line(f"loading {settings.model.model} to time verifies")
+            from mlx_dspark.application.modes import auto_candidates
+
+            progress_line(f"loading {settings.model.model} to time a step, verifies and drafters")
             model = services.loader.load_target(settings.model.model)
-            profile = measure_verify(
-                model.target,
-                realistic_stream(model.tokenizer, model.target.vocab_size, 512),
-                services.clock,
-                max_width=16,
-                context_window=model.context_window,
-                plan=CalibrationPlan(deep_depth=64, repeats=5),
-            )
-            curve = {w: profile.verify_s[w] for w in (1, 2, 4, 8, 16)}
-            base = curve[1]
+            candidates = auto_candidates(services.loader, settings, model, progress_line)
+            sources = {name: src for name, src in candidates.items() if src is not None}
+            costs = measure_costs(model, sources, services.clock)
             report["model"] = model.identity
-            report["verify_ms"] = {w: round(s * 1e3, 2) for w, s in curve.items()}
-            report["verify_relative"] = {w: round(s / base, 2) for w, s in curve.items()}
+            report.update(costs_json(costs))
         if as_json:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
             return 0
@@ -71,8 +123,7 @@ def main(argv: Sequence[str]) -> int:
             lines.append("not installed " + ", ".join(missing))
         if "verify_ms" in report:
             lines.append(f"model         {report['model']}")
-            lines.append("verify cost   " + "  ".join(
-                f"k={w}: {ms} ms ({report['verify_relative'][w]}x)" for w, ms in report["verify_ms"].items()))
+            lines.extend(cost_lines(report))
             if rt["blas"] == "reference":
                 lines.append(
                     "warning       reference BLAS: a k-token verify costs ~k single steps; speculation cannot win"

@@ -1,23 +1,35 @@
 """The bench use case on fakes: the --json schema, speedup against a baseline measured in the same run,
-the lossless verdict (and its failure), the table, and the clear message when matplotlib is missing."""
+the lossless verdict (and its failure), the table, the clear message when matplotlib is missing, and a
+reference decoder (`--against`) run beside ours with ratios and prefill tok/s computed from the clock."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
+from collections.abc import Sequence
 
 import attrs
 import pytest
 
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
-from mlx_dspark.application.bench import BENCH_SCHEMA, report_json, run_bench
+from mlx_dspark.application.bench import BENCH_SCHEMA, prefill_json, report_json, run_bench, run_prefill_bench
 from mlx_dspark.application.data import builtin_prompts, load_prompts
+from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
-from mlx_dspark.application.ports import LoadedModel
+from mlx_dspark.application.ports import LoadedModel, ReferenceRun
 from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.domain.events import TokensCommitted
+from mlx_dspark.domain.ports import Clock
+from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from mlx_dspark.entrypoints.cli.bench_render import PlotUnavailable, plot_report, render_table
-from tests.fakes.clock import RecordingTelemetrySink
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import ManualClock, TimedSource, TimedTarget, flat, loaded
+
+
+def prefill_s(tokens: int) -> float:
+    """What the timed fake charges for one forward over `tokens` rows (`flat(0.05)`)."""
+    return flat(0.05)(tokens, 0)
 
 
 def generators() -> tuple[dict[str, GenerationService], LoadedModel]:
@@ -61,11 +73,12 @@ def test_bench_json_schema() -> None:
         "classes": ["chat", "math"],
     }
     assert doc["settings"] == {"trials": 2, "max_tokens": 12, "temperature": 0.0}
-    assert doc["baseline"] == "baseline"
+    assert doc["baseline"] == "baseline" and doc["reference"] is None
     assert [m["mode"] for m in doc["modes"]] == ["baseline", "dspark"]  # baseline measured first
     keys = {
         "mode", "runs", "decode_tok_s", "e2e_tok_s", "ttft_s", "mean_accepted", "speedup", "lossless",
-        "mismatched_prompts", "per_class_decode_tok_s", "per_class_speedup", "sources",
+        "mismatched_prompts", "per_class_decode_tok_s", "per_class_speedup", "sources", "prefill_tok_s",
+        "decode_vs_reference", "prefill_vs_reference", "per_class_decode_vs_reference", "first_divergence",
     }  # fmt: skip
     for m in doc["modes"]:
         assert set(m) == keys
@@ -73,6 +86,11 @@ def test_bench_json_schema() -> None:
         assert m["lossless"] is True and m["mismatched_prompts"] == []
         assert isinstance(m["decode_tok_s"], float) and m["decode_tok_s"] > 0
         assert set(m["per_class_decode_tok_s"]) == {"chat", "math"}
+        assert m["decode_vs_reference"] is None and m["first_divergence"] == {}
+        rates = [r["prefill_tok_s"] for r in doc["runs"] if r["mode"] == m["mode"]]
+        assert m["prefill_tok_s"] == pytest.approx(statistics.median(rates))
+    for r in doc["runs"]:  # the fake prefills n tokens in one forward of 0.05 + 0.0005 n seconds
+        assert r["prefill_tok_s"] == pytest.approx(r["prompt_tokens"] / prefill_s(r["prompt_tokens"]), rel=1e-3)
     base, spec = doc["modes"]
     assert base["speedup"] == 1.0
     assert spec["speedup"] > 1.0  # a right drafter on a flat verify curve wins
@@ -98,6 +116,9 @@ class Garbler:
         r = self._inner.generate(request)
         ids = (*r.token_ids[:-1], (r.token_ids[-1] + 1) % 64)
         return attrs.evolve(r, token_ids=ids)
+
+    def encode_prompt(self, request: GenerationRequest) -> list[int]:
+        return self._inner.encode_prompt(request)
 
 
 def test_lossless_check_catches_a_mismatch() -> None:
@@ -171,3 +192,111 @@ def test_bench_runs_auto_beside_fixed_modes_per_class() -> None:
     assert {r["source"] for r in doc["runs"] if r["mode"] == "auto"} == {"dspark"}
     table = render_table(report)
     assert "chat" in table.splitlines()[1] and "code" in table.splitlines()[1]
+
+
+class ChargedReference:
+    """A reference decoder with known costs: greedy decoding on its own copy of the oracle (so the same
+    tokens as ours), charging the bench's clock `prefill_s` and then `step_s` per token after the first.
+    `garble_at` changes that token (a reference that rounds differently)."""
+
+    name = "ref"
+
+    def __init__(self, *, prefill_s: float = 0.2, step_s: float = 0.02, garble_at: int | None = None) -> None:
+        self.prefill_s, self.step_s, self.garble_at = prefill_s, step_s, garble_at
+        self.prompts: list[list[int]] = []
+
+    def generate(
+        self, model: LoadedModel, prompt: Sequence[int], *, max_tokens: int, eos_ids: frozenset[int], clock: Clock
+    ) -> ReferenceRun:
+        own = TimedTarget(ManualClock(), flat(0.0), vocab=model.target.vocab_size)
+        tokens: list[int] = []
+        for ev in decode(own, list(prompt), SamplingParams(), StopRule(max_tokens=max_tokens, eos_ids=eos_ids),
+                         FakeClock()):  # fmt: skip
+            if isinstance(ev, TokensCommitted):
+                tokens.extend(ev.tokens)
+        if self.garble_at is not None and len(tokens) > self.garble_at:
+            tokens[self.garble_at] = (tokens[self.garble_at] + 1) % model.target.vocab_size
+        self.prompts.append(list(prompt))
+        bench_clock = model.target.clock  # type: ignore[attr-defined]
+        start = clock.now()
+        bench_clock.advance(self.prefill_s)
+        first = clock.now()
+        bench_clock.advance(self.step_s * (len(tokens) - 1))
+        return ReferenceRun(token_ids=tuple(tokens), prefill_s=first - start, decode_s=clock.now() - first)
+
+
+def _prompts(cls: str, n: int):  # type: ignore[no-untyped-def]
+    base = load_prompts(cls)
+    return type(base)(name=base.name, version=base.version, prompts=base.prompts[:n])
+
+
+def test_a_reference_runs_right_after_the_baseline_with_paired_ratios() -> None:
+    gens, model = generators()
+    ref = ChargedReference()
+    prompts = _prompts("code", 2)
+    report = run_bench(gens, prompts, trials=2, max_tokens=10, reference=ref, clock=model.target.clock)
+    assert report.reference == "ref"
+    assert [m.mode for m in report.modes] == ["baseline", "ref", "dspark"]
+    # Per prompt and trial, back to back: ours, the reference, then the other modes.
+    assert [r.mode for r in report.runs[:6]] == ["baseline", "ref", "dspark"] * 2
+    # The reference decoded the very ids ours did (the warm-up, then one per prompt and trial).
+    encoded = [gens["baseline"].encode_prompt(GenerationRequest(prompt=p.prompt)) for p in prompts.prompts]
+    assert ref.prompts[1:] == encoded * 2
+    by = {m.mode: m for m in report.modes}
+    assert by["ref"].lossless is True and by["ref"].first_divergence == {}
+    assert by["ref"].decode_tok_s == pytest.approx(1 / 0.02, rel=1e-3)
+    runs = {(r.mode, r.prompt_id, r.trial): r for r in report.runs}
+    for mode in ("baseline", "dspark"):
+        mine = [r for r in report.runs if r.mode == mode]
+        paired = [r.decode_tok_s / runs["ref", r.prompt_id, r.trial].decode_tok_s for r in mine]
+        assert by[mode].decode_vs_reference == pytest.approx(statistics.median(paired))
+        # The reference prefills in 0.2 s, ours in 0.05 + 0.0005 n.
+        expected = statistics.median(0.2 / prefill_s(r.prompt_tokens) for r in mine)
+        assert by[mode].prefill_vs_reference == pytest.approx(expected, rel=1e-3)
+        assert set(by[mode].per_class_vs_reference) == {"code"}
+    assert by["baseline"].decode_vs_reference == pytest.approx((1 / prefill_s(1)) / (1 / 0.02), rel=1e-3)  # one step
+    assert by["dspark"].decode_vs_reference > by["baseline"].decode_vs_reference  # the drafter wins here
+    doc = json.loads(json.dumps(report_json(report)))
+    assert doc["reference"] == "ref"
+    ref_doc = next(m for m in doc["modes"] if m["mode"] == "ref")
+    assert ref_doc["decode_vs_reference"] == pytest.approx(1.0) and ref_doc["lossless"] is True
+    assert all(r["prefill_tok_s"] > 0 for r in doc["runs"])
+    table = render_table(report)
+    assert "decode/ref" in table and "prefill/ref" in table and "prefill tok/s" in table
+
+
+def test_a_reference_that_diverges_reports_where() -> None:
+    gens, model = generators()
+    report = run_bench(
+        gens, _prompts("math", 2), trials=1, max_tokens=8, reference=ChargedReference(garble_at=3),
+        clock=model.target.clock,
+    )  # fmt: skip
+    by = {m.mode: m for m in report.modes}
+    assert by["ref"].lossless is False
+    assert by["ref"].first_divergence == {"math-01": 3, "math-02": 3}
+    assert by["baseline"].lossless and by["dspark"].lossless
+    assert "differs: math-01@3, math-02@3" in render_table(report)
+
+
+def test_a_reference_needs_greedy() -> None:
+    gens, _ = generators()
+    with pytest.raises(Exception, match="greedy"):
+        run_bench(gens, _prompts("chat", 1), trials=1, max_tokens=4, temperature=0.7, reference=ChargedReference())
+
+
+def test_prefill_alone_at_each_length_against_the_reference() -> None:
+    gens, model = generators()
+    ref = ChargedReference(prefill_s=0.2)
+    points = run_prefill_bench(gens["baseline"], [8, 40, 10_000], reference=ref, trials=2, clock=model.target.clock)
+    assert [p.tokens for p in points] == [8, 40, model.context_window - 1]  # cut to fit the window
+    for p in points:
+        assert len(p.ours_s) == len(p.reference_s) == 2 and p.same_first_token is True
+    for p in points[:2]:  # one forward each (longer prompts go in pieces, whose extends the fake does not charge)
+        assert p.ours_tok_s == pytest.approx(p.tokens / prefill_s(p.tokens), rel=1e-3)
+        assert p.reference_tok_s == pytest.approx(p.tokens / 0.2, rel=1e-3)
+        assert p.ratio == pytest.approx(0.2 / prefill_s(p.tokens), rel=1e-3)
+    assert [len(ids) for ids in ref.prompts[1:]] == [8, 8, 40, 40, 4095, 4095]  # after one warm-up
+    doc = json.loads(json.dumps(prefill_json(points, "ref")))
+    assert doc["reference"] == "ref" and [q["tokens"] for q in doc["points"]] == [8, 40, 4095]
+    alone = run_prefill_bench(gens["baseline"], [16], trials=1)
+    assert alone[0].reference_tok_s is None and alone[0].ratio is None and alone[0].ours_tok_s > 0
