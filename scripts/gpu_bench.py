@@ -3,8 +3,9 @@ one device (written for MLX CUDA on an H200; runs anywhere MLX does).
 
 Self-contained: needs only `mlx`, `mlx_lm` and `mlx_dspark` importable (no tokenizer, no registry, no hub).
 Prompts are fixed pseudo-random token ids; decoding is greedy with no EOS, so both sides produce exactly
-`--decode-tokens` tokens, and their token ids are compared. Each measurement alternates ours / mlx-lm and
-reports medians and the paired ratio ours / mlx-lm (> 1 = ours faster).
+`--decode-tokens` tokens, and their token ids are compared. mlx-lm is timed by
+`mlx_dspark.adapters.mlx.mlx_lm_reference`, the same code as `mlx-dspark bench --against mlx-lm`.
+Each measurement alternates ours / mlx-lm and reports medians and the paired ratio ours / mlx-lm (> 1 = ours faster).
 
     PYTHONPATH=$HOME/mlx-site:CODE_DIR python3 scripts/gpu_bench.py --model MODEL_DIR [--json FILE]
 
@@ -29,7 +30,8 @@ from typing import Any
 
 
 def _import_mlx_lm_generate() -> Any:
-    """mlx-lm's generate_step; its module imports transformers only for type hints, so stub it if absent."""
+    """mlx-lm's generate_step (timed through mlx_dspark's `reference_generate`); its module imports
+    transformers only for type hints, so stub it if absent."""
     try:
         from mlx_lm.generate import generate_step
     except ImportError as exc:
@@ -101,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
+    from mlx_dspark.adapters.mlx.mlx_lm_reference import reference_generate
     from mlx_dspark.adapters.mlx.target import MlxTargetModel
     from mlx_dspark.application.decode_loop import decode
     from mlx_dspark.domain.events import Finished, TokensCommitted
     from mlx_dspark.domain.tokens import SamplingParams, StopRule
 
-    generate_step = _import_mlx_lm_generate()
+    _import_mlx_lm_generate()  # installs the transformers stub where it is missing
     model = load_model(args.model)
     vocab = int(model.args.vocab_size)
     kwargs = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
@@ -130,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0
 
     def theirs_prefill(ids: list[int]) -> float:
-        t0 = time.perf_counter()
-        next(iter(generate_step(mx.array(ids), model, max_tokens=1)))
-        return time.perf_counter() - t0
+        return reference_generate(model, ids, max_tokens=1).prefill_s
 
     def ours_decode(ids: list[int], n: int) -> tuple[float, list[int]]:
         target.reset(0)
@@ -148,13 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return (len(out) - 1) / (end - first), out
 
     def theirs_decode(ids: list[int], n: int) -> tuple[float, list[int]]:
-        out: list[int] = []
-        first = 0.0
-        for tok, _ in generate_step(mx.array(ids), model, max_tokens=n):
-            if not out:
-                first = time.perf_counter()
-            out.append(int(tok))
-        return (len(out) - 1) / (time.perf_counter() - first), out
+        run = reference_generate(model, ids, max_tokens=n)
+        return run.tokens_per_second, list(run.token_ids)
 
     results: dict[str, Any] = {"environment": env, "prefill": {}, "decode": {}}
     # Warm up both paths (kernel compilation, allocator).

@@ -48,10 +48,9 @@ def _prompt(model: Any, n: int) -> list[int]:
 
 
 def _mlx_lm_tokens(model: Any, prompt: list[int], n: int) -> list[int]:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    from mlx_dspark.adapters.mlx.mlx_lm_reference import reference_generate
 
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model.handle, max_tokens=n)]
+    return list(reference_generate(model.handle, prompt, max_tokens=n).token_ids)
 
 
 def _ours_tokens(model: Any, prompt: list[int], n: int) -> list[int]:

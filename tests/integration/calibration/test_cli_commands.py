@@ -1,8 +1,10 @@
-"""`mlx-dspark bench` and `calibrate` on fakes: the commands parse, call the application's mode selection
-and render; auto runs beside the fixed modes and the table has a column per prompt class."""
+"""`mlx-dspark bench`, `calibrate` and `doctor` on fakes: the commands parse, call the application's mode
+selection and render; auto runs beside the fixed modes and the table has a column per prompt class; doctor's
+cost lines come from the timed fakes' known costs."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ from mlx_dspark.application import bootstrap
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.ports import DraftSource
-from mlx_dspark.entrypoints.cli import bench, calibrate
+from mlx_dspark.entrypoints.cli import bench, calibrate, doctor
 from tests.fakes.clock import RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import ManualClock, MemoryStore, TimedSource, TimedTarget, flat, loaded
 
@@ -47,6 +49,7 @@ def fake_start(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(bench, "start_with_model", start)
     monkeypatch.setattr(calibrate, "start_with_model", start)
+    monkeypatch.setattr(doctor, "start", lambda *_a, **_k: services)
     return services
 
 
@@ -69,3 +72,28 @@ def test_calibrate_races_the_sources_auto_would(fake_start: Any, capsys: pytest.
     raced = {line.split()[0] for line in out.splitlines() if " race " in line}
     assert raced == {"baseline", "lookup", "dspark"}
     assert out.rstrip().endswith("auto mode picks: lookup")
+
+
+def test_doctor_reports_step_verify_drafter_and_round_overhead(
+    fake_start: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert doctor.main(["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The fake charges 0.05 s + 0.5 ms per row for a forward; lookup 1 ms and dspark 400 ms per draft.
+    assert out["step_ms"] == pytest.approx(50.5, rel=1e-3)
+    assert set(out["verify_ms"]) == {"1", "2", "4", "8", "16"}
+    assert out["verify_ms"]["8"] == pytest.approx(54.0, rel=1e-3)
+    rounds = out["rounds"]
+    assert set(rounds) == {"plain", "lookup", "dspark"}
+    assert rounds["lookup"]["draft_ms"] == pytest.approx(1.0, rel=1e-2)
+    assert rounds["dspark"]["draft_ms"] == pytest.approx(400.0, rel=1e-3)
+    for r in rounds.values():
+        assert r["rounds"] > 0
+        assert r["round_ms"] == pytest.approx(r["verify_ms"] + r["draft_ms"] + r["overhead_ms"], abs=2e-3)
+        # Only the manual clock's 1 µs readings fall outside draft and verify.
+        assert 0 < r["overhead_ms"] < 0.05 and r["overhead_share_of_step"] < 1e-3
+    assert rounds["lookup"]["drafted_per_round"] > 0 and rounds["plain"]["drafted_per_round"] == 0
+    assert doctor.main([]) == 0
+    text = capsys.readouterr().out
+    for label in ("plain step", "verify cost", "drafter       lookup", "drafter       dspark", "round overhead"):
+        assert label in text
