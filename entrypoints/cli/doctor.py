@@ -75,7 +75,7 @@ def cost_lines(report: dict[str, Any]) -> list[str]:
 
     def share(r: dict[str, Any]) -> str:
         s = r["overhead_share_of_step"]
-        return f"{r['overhead_ms']:.3f} ms ({s:.1%} of a step)" if s is not None else f"{r['overhead_ms']:.3f} ms"
+        return f"{r['overhead_ms']:.3f} ms ({s:.2%} of a step)" if s is not None else f"{r['overhead_ms']:.3f} ms"
 
     lines.append("round overhead " + "; ".join(f"{name} {share(r)}" for name, r in rounds.items()))
     if not plain["rounds"]:
