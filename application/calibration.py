@@ -369,7 +369,7 @@ def measure_costs(
     clock: Clock,
     *,
     widths: Sequence[int] = (1, 2, 4, 8, 16),
-    tokens: int = 16,
+    tokens: int = 12,
     depth: int = 64,
     plan: CalibrationPlan = CalibrationPlan(deep_depth=64, repeats=5),
     progress: Progress | None = None,
@@ -389,7 +389,7 @@ def measure_costs(
     steps.tick("plain step")
     drafters: dict[str, RoundCosts] = {}
     for name, source in sources.items():
-        measure_rounds(target, stream, clock, tokens=4, depth=depth, source=source)
+        measure_rounds(target, stream, clock, tokens=2, depth=depth, source=source)
         steps.tick(f"{name} warm-up")
         drafters[name] = measure_rounds(target, stream, clock, tokens=tokens, depth=depth, source=source)
         steps.tick(f"{name} rounds")
