@@ -145,7 +145,8 @@ class RoundCosts:
         source: the draft source's name, or "none" for plain decoding.
         rounds: rounds measured.
         round_s: wall seconds per round (the loop's decode time ÷ rounds).
-        draft_s: seconds in the draft source (feature hand-over included).
+        draft_s: seconds per round in the draft source (feature hand-over included).
+        per_draft_s: seconds per draft, over the rounds that drafted (the last may draft nothing).
         verify_s: seconds in the target's verify and commit.
         overhead_s: the rest of a round: round_s − draft_s − verify_s (host bookkeeping, events, acceptance).
         drafted: tokens drafted per round.
@@ -156,6 +157,7 @@ class RoundCosts:
     rounds: int
     round_s: float
     draft_s: float
+    per_draft_s: float
     verify_s: float
     overhead_s: float
     drafted: float
@@ -181,12 +183,13 @@ def measure_rounds(
         depth: prompt length.
         source: the draft source (None = plain decoding); its full block every round.
     """
-    rounds, draft, verify, drafted, committed, decode_s = 0, 0.0, 0.0, 0, 0, 0.0
+    rounds, drafting, draft, verify, drafted, committed, decode_s = 0, 0, 0.0, 0.0, 0, 0, 0.0
     stop = StopRule(max_tokens=max(tokens, 2), eos_ids=frozenset())
     for event in decode(target, list(stream[:depth]), GREEDY, stop, clock, source=source):
         if isinstance(event, RoundFinished):
             rounds += 1
             draft += event.draft_s
+            drafting += event.drafted > 0
             verify += event.verify_s
             drafted += event.drafted
             committed += event.committed
@@ -198,6 +201,7 @@ def measure_rounds(
         rounds=rounds,
         round_s=decode_s / n,
         draft_s=draft / n,
+        per_draft_s=draft / max(drafting, 1),
         verify_s=verify / n,
         overhead_s=max(0.0, decode_s - draft - verify) / n,
         drafted=drafted / n,

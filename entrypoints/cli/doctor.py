@@ -33,6 +33,7 @@ def _round_json(r: RoundCosts, step_s: float) -> dict[str, Any]:
         "rounds": r.rounds,
         "round_ms": round(r.round_s * 1e3, 3),
         "draft_ms": round(r.draft_s * 1e3, 3),
+        "per_draft_ms": round(r.per_draft_s * 1e3, 3),
         "verify_ms": round(r.verify_s * 1e3, 3),
         "overhead_ms": round(r.overhead_s * 1e3, 3),
         "overhead_share_of_step": round(r.overhead_s / step_s, 4) if step_s > 0 else None,
@@ -68,7 +69,8 @@ def cost_lines(report: dict[str, Any]) -> list[str]:
         if name == "plain":
             continue
         lines.append(
-            f"drafter       {name}: {r['draft_ms']:.2f} ms per draft of {r['drafted_per_round']:.1f} tokens; "
+            f"drafter       {name}: {r['per_draft_ms']:.2f} ms per draft "
+            f"({r['drafted_per_round']:.1f} tokens a round); "
             f"round {r['round_ms']:.2f} ms = verify {r['verify_ms']:.2f} + draft {r['draft_ms']:.2f} "
             f"+ overhead {r['overhead_ms']:.2f}; {r['committed_per_round']:.2f} tokens/round"
         )
