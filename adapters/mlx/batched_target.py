@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_dspark.adapters.mlx import caches as cache_ops
+from mlx_dspark.adapters.mlx import cpu_attention
 from mlx_dspark.adapters.mlx.acceptance import pick_token
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.ports import TargetModel
@@ -71,9 +72,15 @@ class BatchedPlainTarget:
         r = self._rows[row]
         piece, r.pending = r.pending[: self._chunk], r.pending[self._chunk :]
         if piece:
-            self._model(mx.array(piece)[None], cache=r.caches)
+            self._row_forward(piece, r)
             mx.eval(cache_ops.cache_arrays(r.caches))
         return not r.pending
+
+    def _row_forward(self, tokens: Sequence[int], r: _Row) -> mx.array:
+        """One row's prompt chunk, through the same attention path as the serial target's."""
+        with cpu_attention.active():
+            logits: mx.array = self._model(mx.array(list(tokens))[None], cache=r.caches)
+        return logits
 
     def prefill_step(self, row: int, sampling: SamplingParams, uniform: float) -> int | None:
         """Run the next chunk of the prompt's end (`MlxTargetModel.prefill`); after the last one, the first token
@@ -84,10 +91,10 @@ class BatchedPlainTarget:
         if len(r.pending) > 1:
             body = len(r.pending) - 1
             piece, r.pending = r.pending[: min(self._chunk, body)], r.pending[min(self._chunk, body) :]
-            self._model(mx.array(piece)[None], cache=r.caches)
+            self._row_forward(piece, r)
             mx.eval(cache_ops.cache_arrays(r.caches))
             return None
-        logits = self._model(mx.array(r.pending)[None], cache=r.caches)[0, -1]
+        logits = self._row_forward(r.pending, r)[0, -1]
         token = pick_token(logits, sampling, uniform)
         mx.eval(token)
         r.pending = []

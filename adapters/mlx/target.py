@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state
+from mlx_dspark.adapters.mlx import cache_state, cpu_attention
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.domain.drafting.block import DraftBlock
@@ -547,7 +547,8 @@ class MlxTargetModel:
         self._hub.recorder = self._recorder
         self._recorder.active = record and bool(self._capture)
         try:
-            logits: mx.array = self._model(tokens.reshape(1, -1), cache=self._caches)
+            with cpu_attention.active():
+                logits: mx.array = self._model(tokens.reshape(1, -1), cache=self._caches)
             return logits
         finally:
             self._recorder.active = False
