@@ -20,7 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx import cpu_attention
 from mlx_dspark.adapters.mlx.acceptance import pick_token
-from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.adapters.mlx.target import MlxTargetModel, default_prefill_chunk
 from mlx_dspark.domain.ports import TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 
@@ -44,10 +44,10 @@ class BatchedPlainTarget:
         prefill_chunk: prompt tokens per prefill forward (the serial target's value, for identical sums).
     """
 
-    def __init__(self, model: Any, *, prefill_chunk: int = 512, serial: MlxTargetModel | None = None) -> None:
+    def __init__(self, model: Any, *, prefill_chunk: int | None = None, serial: MlxTargetModel | None = None) -> None:
         self._model = model
         self._serial = serial
-        self._chunk = prefill_chunk
+        self._chunk = prefill_chunk or default_prefill_chunk()
         self._rows: dict[int, _Row] = {}
         self._order: list[int] = []  # row ids in batch order
         self._batch: list[BatchKVCache] | None = None

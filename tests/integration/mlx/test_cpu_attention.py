@@ -83,3 +83,12 @@ def test_a_prefill_through_the_cpu_path_decodes_as_mlx_alone(family: str, monkey
             target.commit(1)
         outs.append(ids)
     assert outs[0] == outs[1]
+
+
+def test_the_prefill_chunk_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_dspark.adapters.mlx import target as target_mod
+
+    assert MlxTargetModel(tiny_model("llama", seed=0))._prefill_chunk == target_mod.CPU_PREFILL_CHUNK
+    monkeypatch.setattr(cpu_attention, "on_cpu", lambda: False)
+    assert MlxTargetModel(tiny_model("llama", seed=0))._prefill_chunk == target_mod.GPU_PREFILL_CHUNK
+    assert MlxTargetModel(tiny_model("llama", seed=0), prefill_chunk=7)._prefill_chunk == 7
