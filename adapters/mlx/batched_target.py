@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_dspark.adapters.mlx import caches as cache_ops
-from mlx_dspark.adapters.mlx import cpu_attention
+from mlx_dspark.adapters.mlx import cpu_kernels
 from mlx_dspark.adapters.mlx.acceptance import pick_token
 from mlx_dspark.adapters.mlx.target import MlxTargetModel, default_prefill_chunk
 from mlx_dspark.domain.ports import TargetModel
@@ -78,7 +78,7 @@ class BatchedPlainTarget:
 
     def _row_forward(self, tokens: Sequence[int], r: _Row) -> mx.array:
         """One row's prompt chunk, through the same attention path as the serial target's."""
-        with cpu_attention.active():
+        with cpu_kernels.active():
             logits: mx.array = self._model(mx.array(list(tokens))[None], cache=r.caches)
         return logits
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state, cpu_attention
+from mlx_dspark.adapters.mlx import cache_state, cpu_kernels
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.domain.drafting.block import DraftBlock
@@ -138,7 +138,7 @@ CPU_PREFILL_CHUNK = 512
 
 def default_prefill_chunk() -> int:
     """Prompt tokens per prefill forward on the default device: GPUs want wide forwards."""
-    return CPU_PREFILL_CHUNK if cpu_attention.on_cpu() else GPU_PREFILL_CHUNK
+    return CPU_PREFILL_CHUNK if cpu_kernels.on_cpu() else GPU_PREFILL_CHUNK
 
 
 class MlxTargetModel:
@@ -174,6 +174,7 @@ class MlxTargetModel:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self._model = model
         model.eval()
+        cpu_kernels.install(model)
         self._layers = [layer for layer in model.layers if layer is not None]
         self._hidden = _model_arg(model, "hidden_size")
         self._vocab = _model_arg(model, "vocab_size")
@@ -558,7 +559,7 @@ class MlxTargetModel:
         self._hub.recorder = self._recorder
         self._recorder.active = record and bool(self._capture)
         try:
-            with cpu_attention.active():
+            with cpu_kernels.active():
                 logits: mx.array = self._model(tokens.reshape(1, -1), cache=self._caches)
             return logits
         finally:

@@ -1,14 +1,15 @@
-"""Attention on the CPU device for wide score matrices: NumPy's vectorised `exp` instead of MLX's scalar one.
+"""CPU-device kernels for wide forwards: NumPy's vectorised `exp` instead of MLX's scalar one.
 
-MLX's CPU backend evaluates `exp` one element at a time (~20 ns each on the 2-core dev machine), so a
-512-token prefill chunk at 4k context spends most of its time in the softmax (measured: 0.74 s of CPU per
-layer for MLX's SDPA against 0.27 s here). NumPy's SIMD `exp` is several times faster. This path serves
-`mx.fast.scaled_dot_product_attention` while the target runs a forward (`active()`), only on the CPU
-device, for float32 with no mask or the "causal" mask and no sinks, and only above `MIN_SCORES` score
-elements where the host round trip pays; everything else goes to MLX unchanged. GPUs never see it.
+MLX's CPU backend evaluates transcendental functions one element at a time (~25-30 ns each on the 2-core
+dev machine), so a prefill chunk spends most of its time in attention's softmax and the MLP's SiLU
+(measured per 512-token chunk and layer at 4k context: 0.74 s of CPU for MLX's SDPA against 0.27 s here;
+SiLU 24 ms against ~4 ms). While the target runs a forward (`active()`), on the CPU device only, for
+float32 and above a size where the host round trip pays, these calls go through NumPy:
+`mx.fast.scaled_dot_product_attention` (no mask or the "causal" mask, no sinks) and mlx-lm's `swiglu`
+in the model's own modules (`install`). Everything else goes to MLX unchanged; GPUs never see it.
 
-The result equals MLX's within float32 rounding (a test bounds the difference); the engine uses one
-attention path for every mode, so plain and speculative decoding stay token-identical.
+Results equal MLX's within float32 rounding (tests bound the difference); the engine uses one path for
+every mode, so plain and speculative decoding stay token-identical.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+MIN_SWIGLU = 1 << 16  # gate elements below which MLX's own SiLU is as fast
 MIN_SCORES = 1 << 18  # query rows x keys x heads below which MLX's own kernel is as fast
 QUERY_TILE = 64  # query rows per NumPy tile: its scores stay in the last-level cache
 
@@ -90,6 +92,51 @@ def _sdpa(
     if kwargs or getattr(_state, "depth", 0) == 0 or not applies(q, k, mask, sinks):
         return _ORIGINAL(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
     return attention(q, k, v, scale=scale, causal=mask is not None)
+
+
+def _numpy_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    g = np.asarray(gate)
+    out = np.exp(-g)
+    out += 1
+    np.divide(g, out, out=out)  # silu(g) = g / (1 + e^-g)
+    out *= np.asarray(x)
+    return mx.array(out)
+
+
+def _swiglu_for(original: Any) -> Any:
+    def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+        if (
+            getattr(_state, "depth", 0) == 0
+            or gate.dtype != mx.float32
+            or x.dtype != mx.float32
+            or gate.shape != x.shape
+            or gate.size < MIN_SWIGLU
+        ):
+            return original(gate, x)
+        return _numpy_swiglu(gate, x)
+
+    swiglu.__wrapped__ = original  # type: ignore[attr-defined]
+    return swiglu
+
+
+def install(model: Any) -> None:
+    """Route the `swiglu` of `model`'s own mlx-lm modules through `_swiglu_for` (idempotent; CPU only)."""
+    if not on_cpu():
+        return
+    import sys
+
+    names = {type(model).__module__}
+    for layer in getattr(getattr(model, "model", model), "layers", None) or ():
+        names.add(type(layer).__module__)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None:
+            names.add(type(mlp).__module__)
+    for name in names:
+        module = sys.modules.get(name)
+        current = getattr(module, "swiglu", None)
+        if module is None or current is None or hasattr(current, "__wrapped__"):
+            continue
+        module.swiglu = _swiglu_for(current)  # type: ignore[attr-defined]
 
 
 def on_cpu() -> bool:
