@@ -46,11 +46,6 @@ class StructlogTelemetrySink:
             self._log.debug(
                 "prefix.reused", request_id=request_id, rows=event.rows, source=event.source, prompt=event.prompt_tokens
             )
-        elif isinstance(event, CapChanged):
-            self._log.info(
-                "draft_cap.changed", request_id=request_id, old=event.old, new=event.new, reason=event.reason
-            )
-        elif isinstance(event, SourceSwitched):
-            self._log.info(
-                "draft_source.switched", request_id=request_id, old=event.old, new=event.new, reason=event.reason
-            )
+        elif isinstance(event, (CapChanged, SourceSwitched)):
+            name = "draft_cap.changed" if isinstance(event, CapChanged) else "draft_source.switched"
+            self._log.info(name, request_id=request_id, old=event.old, new=event.new, reason=event.reason)

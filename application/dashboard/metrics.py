@@ -92,20 +92,12 @@ def render(
         "The widest batched step since start.",
         [({}, (snapshot or {}).get("batch_widest", 0))],
     )
-    drafted = totals.get("drafted", 0)
-    w.metric(
-        "acceptance_ratio",
-        "gauge",
-        "Accepted / drafted tokens since start.",
-        [({}, totals.get("accepted", 0) / drafted if drafted else 0.0)],
-    )
-    rounds = totals.get("rounds", 0)
-    w.metric(
-        "tokens_per_round",
-        "gauge",
-        "Committed tokens per round since start (1.0 = plain decoding).",
-        [({}, totals.get("tokens_committed", 0) / rounds if rounds else 0.0)],
-    )
+    for name, doc, num, den in (
+        ("acceptance_ratio", "Accepted / drafted tokens since start.", "accepted", "drafted"),
+        ("tokens_per_round", "Committed tokens per round (1.0 = plain decoding).", "tokens_committed", "rounds"),
+    ):
+        total = totals.get(den, 0)
+        w.metric(name, "gauge", doc, [({}, totals.get(num, 0) / total if total else 0.0)])
     w.metric("queue_depth", "gauge", "Requests waiting for the engine thread.", [({}, queue_depth)])
     w.metric("active_requests", "gauge", "Requests being decoded.", [({}, (snapshot or {}).get("active_requests", 0))])
     w.metric("decode_tokens_per_second", "gauge", "Live decode rate.", [({}, (snapshot or {}).get("live_tok_s", 0.0))])

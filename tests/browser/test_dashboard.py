@@ -18,6 +18,15 @@ def wait_ready(page: Any) -> None:
     page.wait_for_function("document.getElementById('g-state').textContent === 'ready'")
 
 
+def fill_and_go(page: Any, path: str, fields: dict[str, str], button: str) -> None:
+    """Open a page, wait for the engine, fill the form fields (in order) and press the button."""
+    page.goto(path)
+    wait_ready(page)
+    for selector, value in fields.items():
+        page.fill(selector, value)
+    page.click(button)
+
+
 def test_every_page_loads_with_the_gauge(page: Any, app: App) -> None:
     for name in PAGES:
         page.goto(f"/ui/{name}")
@@ -30,11 +39,7 @@ def test_every_page_loads_with_the_gauge(page: Any, app: App) -> None:
 
 
 def test_chat_streams_an_answer_and_the_session_is_found_after_a_reload(page: Any, app: App) -> None:
-    page.goto("/ui/chat")
-    wait_ready(page)
-    page.fill("#max_tokens", "12")
-    page.fill("#prompt", "Name three colours of the rainbow.")
-    page.click("#send")
+    fill_and_go(page, "/ui/chat", {"#max_tokens": "12", "#prompt": "Name three colours of the rainbow."}, "#send")
     reply = page.locator(".msg.assistant").last
     reply.locator(".body").wait_for()
     page.wait_for_function("document.querySelectorAll('.msg.assistant .body')[0].textContent.length > 0")
@@ -55,11 +60,8 @@ def test_chat_streams_an_answer_and_the_session_is_found_after_a_reload(page: An
 
 
 def test_a_race_reads_identical(page: Any, app: App) -> None:
-    page.goto("/ui/race")
-    wait_ready(page)
-    page.fill("#race-prompt", "List the numbers from one to ten, separated by commas.")
-    page.fill("#race-max", "12")
-    page.click("#race-go")
+    prompt = "List the numbers from one to ten, separated by commas."
+    fill_and_go(page, "/ui/race", {"#race-prompt": prompt, "#race-max": "12"}, "#race-go")
     verdict = page.locator("#verdict")
     verdict.wait_for()
     assert "identical" in verdict.inner_text()
@@ -150,10 +152,7 @@ def test_a_download_shows_progress_to_done(page: Any, app: App) -> None:
 
 
 def test_the_roofline_measures_bandwidth_and_the_ceiling(page: Any, app: App) -> None:
-    page.goto("/ui/roofline")
-    wait_ready(page)
-    page.fill("#roof-max", "8")
-    page.click("#roof-go")
+    fill_and_go(page, "/ui/roofline", {"#roof-max": "8"}, "#roof-go")
     page.wait_for_function("document.body.dataset.roofline === '1'")
     assert page.locator("#r-bw").inner_text().endswith("GB/s")
     assert page.locator("#roof-table tbody tr").count() == 2

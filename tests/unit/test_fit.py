@@ -5,17 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mlx_dspark.domain import fit
+from tests.fakes.configs import LLAMA8B
 
 GIB = 1 << 30
-LLAMA8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "hidden_size": 4096,
-    "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16",
-}
 # embed + lm_head: 2 × 128256×4096 bf16; per layer 4096×6144 + 4096×4096 + 3×4096×14336 bf16
 LLAMA8B_WEIGHTS = 2 * 128256 * 4096 * 2 + 32 * 2 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
 

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import structlog
 from litestar import Request, Response, Router, delete, get, patch, post
-from litestar.exceptions import HTTPException, NotAuthorizedException
+from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException
 from litestar.response import Stream, Template
 
 from mlx_dspark.application.dashboard import metrics, race, roofline
@@ -133,30 +133,12 @@ def _page(request: Request[Any, Any, Any], page: str) -> Template | Response[Any
     )
 
 
-
-@get(["/ui", "/ui/chat"], sync_to_thread=False, include_in_schema=False)
-def chat_page(request: Request[Any, Any, Any]) -> Any:
-    return _page(request, "chat")
-
-
-@get("/ui/models", sync_to_thread=False, include_in_schema=False)
-def models_page(request: Request[Any, Any, Any]) -> Any:
-    return _page(request, "models")
-
-
-@get("/ui/telemetry", sync_to_thread=False, include_in_schema=False)
-def telemetry_page(request: Request[Any, Any, Any]) -> Any:
-    return _page(request, "telemetry")
-
-
-@get("/ui/roofline", sync_to_thread=False, include_in_schema=False)
-def roofline_page(request: Request[Any, Any, Any]) -> Any:
-    return _page(request, "roofline")
-
-
-@get("/ui/race", sync_to_thread=False, include_in_schema=False)
-def race_page(request: Request[Any, Any, Any]) -> Any:
-    return _page(request, "race")
+@get(["/ui", "/ui/{page:str}"], sync_to_thread=False, include_in_schema=False)
+def page_view(request: Request[Any, Any, Any], page: str = "chat") -> Any:
+    """Every page of the app (`/ui` is the chat page)."""
+    if page not in PAGES:
+        raise NotFoundException(detail=f"there is no page {page!r}")
+    return _page(request, page)
 
 
 def home(request: Request[Any, Any, Any]) -> Any:
@@ -499,7 +481,7 @@ def routers() -> list[Router]:
     """Pages and login (which answer a missing key with the login page) and the guarded API routes."""
     pages = Router(
         path="/",
-        route_handlers=[chat_page, models_page, telemetry_page, roofline_page, race_page, login],
+        route_handlers=[page_view, login],
         exception_handlers={Exception: _error},
     )
     api = Router(

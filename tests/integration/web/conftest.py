@@ -21,22 +21,12 @@ from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.entrypoints.http.app import create_app
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.fakes.configs import LLAMA8B
 from tests.fakes.hub import FakeHub, FakeRepo, safetensors_bytes, serve
 from tests.fakes.scripted import ScriptedLoader
 from tests.integration.http.conftest import _serve
 
 REPLY = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
-
-# A Llama-3-8B-shaped repo: the fit estimate reads only the config and safetensors headers.
-LLAMA8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "hidden_size": 4096,
-    "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16",
-}
 
 
 def llama8b_tensors() -> dict[str, tuple[str, list[int]]]:

@@ -20,6 +20,7 @@ from mlx_dspark.application.settings import load_settings
 from mlx_dspark.entrypoints.http.app import create_app
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.fakes.hub import serve
+from tests.fakes.scripted import ScriptedLoader
 from tests.integration.http.conftest import _serve
 from tests.integration.web.conftest import WebServer, dashboard_flags, engine_held, fake_hub
 from tests.integration.web.test_web_api import post_stream, sse
@@ -134,8 +135,8 @@ def test_a_first_request_is_a_miss_in_the_stream_and_in_metrics(web: WebServer) 
 # ---- batching: a tiny MLX model behind the real server ------------------------------------------------
 
 
-class TinyMlxLoader:
-    """The ModelLoader port over a tiny float32 llama whose vocabulary is the fake tokenizer's."""
+class TinyMlxLoader(ScriptedLoader):
+    """The ModelLoader port over a tiny float32 llama whose vocabulary is the fake tokenizer's (no drafters)."""
 
     def __init__(self) -> None:
         from mlx_dspark.adapters.mlx.target import MlxTargetModel
@@ -154,20 +155,8 @@ class TinyMlxLoader:
             family="qwen3",
             handle=model,  # the mlx-lm module, as the HF loader hands it out
         )
-
-    def load_target(self, name: str) -> Any:
-        return self.model
-
-    def load_drafter(self, kind: str, spec: str | None, model: Any, *, bits: int | None) -> Any:
-        from mlx_dspark.domain.errors import ModelUnavailable
-
-        raise ModelUnavailable(message=f"no {kind} drafter for the tiny model")
-
-    def available_drafters(self, model: Any) -> list[str]:
-        return []
-
-    def drafter_kind(self, spec: str) -> str | None:
-        return None
+        self.tokenizer = tokenizer
+        self.loads = 0
 
 
 def tiny_mlx_server(tmp: Path) -> Iterator[tuple[str, Any]]:

@@ -32,6 +32,8 @@ def test_pages_render_with_the_header_gauge(web: WebServer) -> None:
     for page in ("chat", "models", "telemetry", "roofline", "race"):
         r = httpx.get(f"{web.base_url}/ui/{page}")
         assert r.status_code == 200 and 'id="gauge"' in r.text and f'data-page="{page}"' in r.text
+    assert 'data-page="chat"' in httpx.get(f"{web.base_url}/ui").text
+    assert httpx.get(f"{web.base_url}/ui/nope").status_code == 404
     home = httpx.get(web.base_url + "/", headers={"Accept": "text/html"})
     assert 'data-page="chat"' in home.text
     # SDKs probing the base URL still get JSON
