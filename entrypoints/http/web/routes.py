@@ -136,7 +136,7 @@ def _page(request: Request[Any, Any, Any], page: str) -> Template | Response[Any
 @get(["/ui", "/ui/{page:str}"], sync_to_thread=False, include_in_schema=False)
 def page_view(request: Request[Any, Any, Any], page: str = "chat") -> Any:
     """Every page of the app (`/ui` is the chat page)."""
-    if page not in PAGES:
+    if page not in PAGES and authorized(request):  # without the key every path gets the login page
         raise NotFoundException(detail=f"there is no page {page!r}")
     return _page(request, page)
 
