@@ -99,6 +99,24 @@ async def _json(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return body
 
 
+def _whole(body: dict[str, Any], key: str, default: int) -> int:
+    """A positive whole-number field of a JSON body (absent or null: `default`)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(message=f"{key} must be a positive whole number; got {value!r}", param=key)
+    return value
+
+
+def _names(body: dict[str, Any], key: str, default: list[str]) -> list[str]:
+    """A list-of-strings field of a JSON body (absent, null or empty: `default`)."""
+    value = body.get(key) or default
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequest(message=f"{key} must be a list of mode names; got {value!r}", param=key)
+    return value
+
+
 def _error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     if isinstance(exc, NotAuthorizedException):
         return Response(content={"error": "invalid or missing API key"}, status_code=401)
@@ -398,8 +416,8 @@ async def run_race(request: Request[Any, Any, Any]) -> Stream:
     ctx, d = support.context(request), dashboard(request)
     body = await _json(request)
     prompt = str(body.get("prompt") or "")
-    lanes = [str(m) for m in body.get("modes") or []]
-    max_tokens = int(body.get("max_tokens") or 64)
+    lanes = _names(body, "modes", [])
+    max_tokens = _whole(body, "max_tokens", 64)
     modes = d.modes
     # Exclusive: the lanes' timings must not share the machine with batched rows.
     job = ctx.engine.submit(lambda g: race.race(modes, g, prompt, lanes, max_tokens=max_tokens), exclusive=True)
@@ -410,11 +428,12 @@ async def run_race(request: Request[Any, Any, Any]) -> Stream:
 async def run_roofline(request: Request[Any, Any, Any]) -> Stream:
     ctx, d = support.context(request), dashboard(request)
     body = await _json(request)
-    lanes = [str(m) for m in body.get("modes") or ["lookup"]]
-    size = int(body.get("bandwidth_mib") or 256) << 20
+    lanes = _names(body, "modes", ["lookup"])
+    size = _whole(body, "bandwidth_mib", 256) << 20
+    max_tokens = _whole(body, "max_tokens", 48)
     modes, probe = d.modes, d.probe
     job = ctx.engine.submit(
-        lambda g: roofline.measure(modes, g, probe, lanes, max_tokens=int(body.get("max_tokens") or 48),
+        lambda g: roofline.measure(modes, g, probe, lanes, max_tokens=max_tokens,
                                    bandwidth_bytes=size),
         exclusive=True,
     )  # fmt: skip

@@ -108,6 +108,15 @@ def test_race_refuses_an_unavailable_mode_in_the_stream(web: WebServer) -> None:
     assert events[-1]["type"] == "error" and "dflash" in events[-1]["message"]
 
 
+@pytest.mark.parametrize("path", ["/ui/api/race", "/ui/api/roofline"])
+@pytest.mark.parametrize(
+    "bad", [{"max_tokens": "many"}, {"max_tokens": 0}, {"max_tokens": True}, {"modes": 3}, {"modes": [1]}]
+)
+def test_race_and_roofline_refuse_malformed_fields_with_a_400(web: WebServer, path: str, bad: dict[str, Any]) -> None:
+    r = httpx.post(web.base_url + path, json={"prompt": "Go.", "modes": ["lookup"], **bad}, timeout=30)
+    assert r.status_code == 400 and "must be" in r.json()["error"]
+
+
 def test_telemetry_stream_carries_rounds_of_a_request(web: WebServer) -> None:
     got: list[dict[str, Any]] = []
     ready = threading.Event()
