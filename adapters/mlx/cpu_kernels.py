@@ -8,13 +8,15 @@ float32 and above a size where the host round trip pays, these calls go through 
 `mx.fast.scaled_dot_product_attention` (no mask or the "causal" mask, no sinks) and mlx-lm's `swiglu`
 in the model's own modules (`install`). Everything else goes to MLX unchanged; GPUs never see it.
 
-Results equal MLX's within float32 rounding (tests bound the difference); the engine uses one path for
-every mode, so plain and speculative decoding stay token-identical.
+Results equal MLX's within float32 rounding (tests bound the difference). Plain steps (one query row)
+stay on MLX while wider verifies may not: like any change of GEMM shape, the two paths can round a near
+tie differently at long contexts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -120,11 +122,12 @@ def _swiglu_for(original: Any) -> Any:
 
 
 def install(model: Any) -> None:
-    """Route the `swiglu` of `model`'s own mlx-lm modules through `_swiglu_for` (idempotent; CPU only)."""
+    """Route MLX's SDPA and the `swiglu` of `model`'s own mlx-lm modules through the wrappers (idempotent;
+    CPU only). The wrappers hand every call outside `active()` to MLX unchanged (any thread, mlx-lm's own
+    generate in the same process)."""
     if not on_cpu():
         return
-    import sys
-
+    mx.fast.scaled_dot_product_attention = _sdpa
     names = {type(model).__module__}
     for layer in getattr(getattr(model, "model", model), "layers", None) or ():
         names.add(type(layer).__module__)
@@ -145,15 +148,7 @@ def on_cpu() -> bool:
 
 @contextlib.contextmanager
 def active() -> Iterator[None]:
-    """Serve wide attention through NumPy on this thread while the block runs (no-op off the CPU).
-
-    The wrapper stays installed once set: outside `active()` (any thread, mlx-lm's own generate in the
-    same process) it hands every call to MLX unchanged.
-    """
-    if not on_cpu():
-        yield
-        return
-    mx.fast.scaled_dot_product_attention = _sdpa
+    """Serve the installed wrappers' wide calls through NumPy on this thread while the block runs."""
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
     try:

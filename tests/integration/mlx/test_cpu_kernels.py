@@ -61,6 +61,7 @@ def test_outside_a_target_forward_mlx_sdpa_is_untouched(monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu_kernels, "attention", lambda *a, **kw: taken.append(1) or real(*a, **kw))
     monkeypatch.setattr(cpu_kernels, "MIN_SCORES", 1)
     q, k, v = _qkv(4, 4)
+    cpu_kernels.install(tiny_model("llama", seed=0))
     with cpu_kernels.active():
         inside = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
     outside = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
