@@ -185,7 +185,7 @@ def diag(a: argparse.Namespace, work: Path) -> None:
     n_diag, n_tok = (3, 6) if a.smoke else (16, 48)
     prompts = [chat.encode([{"role": "user", "content": p["prompt"]}]) for p in held[:n_diag]]
     report: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__}
-    for dtype in ("float32",) if a.smoke else ("bfloat16", "float32"):
+    for dtype in () if not a.diag_exact else ("float32",) if a.smoke else ("bfloat16", "float32"):
         model = load_target(Path(a.model), dtype)
         ref = [single_greedy(model, p, n_tok, eos) for p in prompts]
         new = generate_responses(
@@ -208,7 +208,7 @@ def diag(a: argparse.Namespace, work: Path) -> None:
         report[f"ref_{dtype}"] = ref
         log(work, "diag", dtype, report[dtype])
     agree = []
-    for x, y in zip(report.get("ref_bfloat16", report["ref_float32"]), report["ref_float32"], strict=True):
+    for x, y in zip(report.get("ref_bfloat16", report.get("ref_float32", [])), report.get("ref_float32", []), strict=True):
         k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
         agree.append(k)
     report["bf16_vs_f32_first_divergence"] = agree
@@ -217,11 +217,12 @@ def diag(a: argparse.Namespace, work: Path) -> None:
     model = load_target(Path(a.model), a.dtype)
     rng = random.Random(0)
     pool = [chat.encode([{"role": "user", "content": f"Tell me about topic number {i}."}]) for i in range(64)]
-    for b in (4,) if a.smoke else (256, 512, 1024):
+    for b in (4,) if a.smoke else [int(x) for x in a.diag_batches.split(",")]:
         ps = [pool[i % len(pool)] for i in range(b * 3)]
         temps = [0.0 if rng.random() < 0.5 else 0.7 for _ in ps]
+        tops = [rng.choice(a.top_p_choices) for _ in ps]
         generate_responses(
-            model, ps[:b], eos_ids=[], max_new_tokens=24, batch=b, temperatures=temps[:b], top_p=0.9, seed=1
+            model, ps[:b], eos_ids=[], max_new_tokens=24, batch=b, temperatures=temps[:b], top_p=tops[:b], seed=1
         )  # warm the shapes
         t = time.perf_counter()
         out = generate_responses(
@@ -231,7 +232,7 @@ def diag(a: argparse.Namespace, work: Path) -> None:
             max_new_tokens=8 if a.smoke else 96,
             batch=b,
             temperatures=temps,
-            top_p=0.9,
+            top_p=tops,
             seed=2,
         )
         dt = time.perf_counter() - t
@@ -240,7 +241,8 @@ def diag(a: argparse.Namespace, work: Path) -> None:
         if toks / dt > report.get("best_tok_s", 0):
             report["best_tok_s"], report["best_batch"] = toks / dt, b
         log(
-            work, f"diag throughput B={b}: {toks} tokens in {dt:.1f}s = {toks / dt:.0f} tok/s (half sampled, top-p 0.9)"
+            work, f"diag throughput B={b}: {toks} tokens in {dt:.1f}s = {toks / dt:.0f} tok/s "
+            f"(half sampled at T 0.7, top-p from {a.top_p_choices})"
         )
     (work / "diag.json").write_text(json.dumps(report))
 
@@ -302,7 +304,7 @@ def data(a: argparse.Namespace, work: Path) -> None:
             max_new_tokens=max_new,
             batch=a.gen_batch,
             temperatures=temps,
-            top_p=[rng.choice([0.8, 0.9, 0.95, 1.0]) for _ in prompts],
+            top_p=[rng.choice(a.top_p_choices) for _ in prompts],
             seed=rng.randrange(1 << 30),
             deadline=until,
         )
@@ -344,7 +346,7 @@ def data(a: argparse.Namespace, work: Path) -> None:
     ids = [chat.encode(c) for _, c in convs]
     keepi = [i for i, p in enumerate(ids) if len(p) <= a.max_prompt]
     convs, ids = [convs[i] for i in keepi], [ids[i] for i in keepi]
-    temps = [0.0 if rng.random() < a.greedy_share else rng.choice([0.6, 0.7, 0.8, 1.0]) for _ in ids]
+    temps = [0.0 if rng.random() < a.greedy_share else rng.choice(a.temperatures) for _ in ids]
     follow_at = deadline - a.follow_seconds
     log(work, f"main set: {len(ids)} prompts; mean prompt {np.mean([len(p) for p in ids]):.0f} tokens")
     out = gen(ids, temps, a.max_new, follow_at)
@@ -389,11 +391,17 @@ def data(a: argparse.Namespace, work: Path) -> None:
 
 # train ------------------------------------------------------------------------------------------------------
 
+SHIPPED = Path(__file__).resolve().parents[1] / "adapters" / "hf" / "drafters_data" / "default"
 VARIANTS: dict[str, dict[str, Any]] = {
     "dspark-l1": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192},
     "dspark-l2": {"kind": "dspark", "layers": 2, "block_size": 7, "draft_vocab": 8192},
+    "dspark-l3": {"kind": "dspark", "layers": 3, "block_size": 7, "draft_vocab": 8192},
     "dflash-l1": {"kind": "dflash", "layers": 1, "block_size": 8, "draft_vocab": 8192},
     "dflash-l2": {"kind": "dflash", "layers": 2, "block_size": 8, "draft_vocab": 8192},
+    "dflash-l3": {"kind": "dflash", "layers": 3, "block_size": 8, "draft_vocab": 8192},
+    # The shipped drafters, continued with this slot's data (same shape and vocabulary, fresh optimizer).
+    "dspark-l1c": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192, "init": "dspark"},
+    "dflash-l1c": {"kind": "dflash", "layers": 1, "block_size": 8, "draft_vocab": 8192, "init": "dflash"},
 }
 
 
@@ -428,6 +436,7 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
         eval_every=0,
         save_dtype="bfloat16",
         compile=True,
+        init_from=str(SHIPPED / v["init"]) if "init" in v else None,
     )
     t0 = time.perf_counter()
 
@@ -578,6 +587,15 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=160)
     p.add_argument("--max-prompt", type=int, default=640)
     p.add_argument("--greedy-share", type=float, default=0.6)
+    p.add_argument("--temperatures", type=lambda x: [float(t) for t in x.split(",")], default=[0.6, 0.7, 0.8, 1.0])
+    p.add_argument(
+        "--top-p-choices",
+        type=lambda x: [float(t) for t in x.split(",")],
+        default=[0.8, 0.9, 0.95, 1.0],
+        help="nucleus cuts drawn per prompt; all 1.0 skips the vocabulary sort (the sampler's dearest part)",
+    )
+    p.add_argument("--diag-batches", default="256,512,1024")
+    p.add_argument("--diag-exact", type=int, default=1, help="0 skips the exactness checks (done in an earlier slot)")
     p.add_argument("--train-seconds", type=float, default=420)
     p.add_argument("--variants", default="dspark-l1,dspark-l2,dflash-l1,dflash-l2")
     p.add_argument("--variant")

@@ -130,8 +130,11 @@ def test_a_deadline_stops_new_prompts() -> None:
     got = generate_responses(
         model, prompts, eos_ids=[], max_new_tokens=6, batch=4, temperatures=[0.0] * 12, seed=0, deadline=0.0
     )
-    assert [r is not None for r in got] == [True] * 4 + [False] * 8  # the first rows finish, no new ones start
-    assert got[0] == _single_greedy(model, prompts[0], 6, set())
+    started = [i for i, r in enumerate(got) if r is not None]
+    assert len(started) == 4  # the first batch finishes, no new prompt starts
+    # Prompts start shortest first within a window (less refill padding).
+    assert sorted(len(prompts[i]) for i in started) == sorted(len(p) for p in prompts)[:4]
+    assert all(got[i] == _single_greedy(model, prompts[i], 6, set()) for i in started)
 
 
 @pytest.mark.parametrize(
