@@ -80,10 +80,14 @@ def load_target(model_dir: Path, dtype: str) -> Any:
     from mlx_lm.models import llama
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    quant = cfg.pop("quantized_modules")
+    # Either this script's export (`quantized_modules`, target.safetensors) or an mlx-lm checkpoint.
+    quant = cfg.pop("quantized_modules", None)
+    if quant is None:
+        quant = {k: v for k, v in (cfg.pop("quantization", None) or {}).items() if isinstance(v, dict)}
     args = llama.ModelArgs.from_dict(cfg)
     model = llama.Model(args)
-    raw = mx.load(str(model_dir / "target.safetensors"))
+    file = model_dir / "target.safetensors"
+    raw = mx.load(str(file if file.is_file() else model_dir / "model.safetensors"))
     assert isinstance(raw, dict)
     want = getattr(mx, dtype)
     out = {}
@@ -402,6 +406,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The shipped drafters, continued with this slot's data (same shape and vocabulary, fresh optimizer).
     "dspark-l1c": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192, "init": "dspark"},
     "dflash-l1c": {"kind": "dflash", "layers": 1, "block_size": 8, "draft_vocab": 8192, "init": "dflash"},
+    # A second pass in the same slot: this slot's own checkpoints, continued.
+    "dspark-l1cc": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192, "again": "dspark-l1c"},
+    "dflash-l3c": {"kind": "dflash", "layers": 3, "block_size": 8, "draft_vocab": 8192, "again": "dflash-l3"},
 }
 
 
@@ -436,7 +443,7 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
         eval_every=0,
         save_dtype="bfloat16",
         compile=True,
-        init_from=str(SHIPPED / v["init"]) if "init" in v else None,
+        init_from=str(SHIPPED / v["init"]) if "init" in v else str(work / v["again"]) if "again" in v else None,
     )
     t0 = time.perf_counter()
 
