@@ -34,9 +34,9 @@ import structlog
 
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
-from mlx_dspark.domain.costmodel.batch import BatchPlan, plan_batch
+from mlx_dspark.domain.costmodel.batch import BatchPlan, forward_seconds, plan_batch
 from mlx_dspark.domain.costmodel.curves import CostCurves
-from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap
+from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, RoundTimeCorrection
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.selection import FixedSelector
 from mlx_dspark.domain.events import BatchSpeculation, BatchStepped
@@ -45,6 +45,7 @@ from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
 _GREEDY = SamplingParams()
+_EXPLORE_EVERY = 16  # while speculating, one plain tick in this many (with observed forwards)
 TELEMETRY_ID = "batch"  # the request id the scheduler's BatchStepped events carry (they belong to no request)
 _log = structlog.get_logger("mlx_dspark.batching")
 
@@ -430,6 +431,8 @@ class BatchScheduler:
             cap policy, when it has them; without curves every row keeps its own cap policy).
         probe_every: while speculation is off, one tick in this many lets rows draft again, so the batch's
             acceptance estimate stays current.
+        observe_forwards: time every batched forward on the service's clock and correct the curves by what
+            forwards of each token count really take (the engine and bench do; tests on fake clocks do not).
     """
 
     def __init__(
@@ -441,6 +444,7 @@ class BatchScheduler:
         push: Callable[[Any, str, Any], None],
         curves: CostCurves | None = None,
         probe_every: int = 16,
+        observe_forwards: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -455,7 +459,10 @@ class BatchScheduler:
         self._max_cap = 0
         self._acceptance = EwmaAcceptance()  # the batch's drafts, all rows pooled (re-sized to the cap)
         self._probe_every = probe_every
+        self._clock = generator.clock if observe_forwards else None
+        self._correction = RoundTimeCorrection()  # observed ÷ predicted batched forward seconds, by tokens
         self._off_ticks = 0
+        self._on_ticks = 0
         self._announced: tuple[int, bool] | None = None
         self.steps = 0  # batched forwards
         self.widest = 0
@@ -580,12 +587,22 @@ class BatchScheduler:
         if width <= 1:  # alone, the row's own cap policy decides (it runs the same cost model)
             self._gate.speculate = True
             return
-        plan = plan_batch(self._curves, self._acceptance.estimate(), width, self._max_cap, depth=depth)
+        plan = plan_batch(
+            self._curves,
+            self._acceptance.estimate(),
+            width,
+            self._max_cap,
+            depth=depth,
+            correction=self._correction if self._clock is not None else None,
+        )
         if (width, plan.speculate) != self._announced:
             self._announce(plan, "calibrated")
         if plan.speculate:
             self._off_ticks = 0
-            self._gate.speculate = True
+            self._on_ticks += 1
+            # Observing forwards: one plain tick in a while keeps the plain forward's own cost measured.
+            explore = self._clock is not None and self._on_ticks % _EXPLORE_EVERY == 0
+            self._gate.speculate = not explore
             return
         self._off_ticks += 1
         probe = self._probe_every > 0 and self._off_ticks % self._probe_every == 0
@@ -663,6 +680,7 @@ class BatchScheduler:
         if len(stepping) != self._backend.width:  # every row in the batch waits for its verify between ticks
             raise RuntimeError(f"{len(stepping)} rows asked for a verify of a batch of {self._backend.width}")
         calls = {lane.row: lane.call_pending for lane in stepping}
+        started = self._clock.now() if self._clock is not None else 0.0
         try:
             verdicts = self._backend.verify(
                 {
@@ -678,6 +696,9 @@ class BatchScheduler:
                 lane.resume(exc)
                 self._settle(lane)
             return solo, prefilled, 0, 0
+        if self._clock is not None and self._curves is not None:
+            tokens = len(stepping) * (1 + max(len(c.block) for c in calls.values() if c is not None))
+            self._correction.record(tokens, self._clock.now() - started, forward_seconds(self._curves, tokens))
         self.steps += 1
         self.widest = max(self.widest, len(stepping))
         drafting = 0

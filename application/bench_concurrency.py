@@ -77,7 +77,7 @@ def _measure(
     """Run the requests together: (jobs, decode tok/s, wall seconds, widest batch, drafting forwards)."""
     generator.model.target.reset(0)  # no prefix from the previous level
     jobs = [_Job(r, clock) for r in requests]
-    scheduler = BatchScheduler(backend, generator, max_batch=len(jobs), push=_push)
+    scheduler = BatchScheduler(backend, generator, max_batch=len(jobs), push=_push, observe_forwards=True)
     start = clock.now()
     scheduler.run(jobs[0], _taker(jobs[1:]))
     wall = clock.now() - start

@@ -349,7 +349,11 @@ class EngineThread:
             _log.info("engine.batching_off", reason="the target's caches have no batched form")
             return None
         return BatchScheduler(
-            backend, generator, max_batch=self._max_batch, push=lambda job, kind, value: job._push(kind, value)
+            backend,
+            generator,
+            max_batch=self._max_batch,
+            push=lambda job, kind, value: job._push(kind, value),
+            observe_forwards=True,
         )
 
     def _quick_between(self) -> None:

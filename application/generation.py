@@ -141,6 +141,10 @@ class GenerationService:
         return self.selector.mode
 
     @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
     def telemetry(self) -> TelemetrySink:
         """Where this service's events go (the batch scheduler reports its ticks there too)."""
         return self._telemetry

@@ -13,11 +13,13 @@ Finished rows are filtered out at once. Only dense KV targets batch: rotating (s
 caches have no batched form here, so `batch_backend` returns None for them and they run serially. On float32
 CPU models the batched rows are bit-identical to solo decoding (tests check it); reduced-precision matmuls on
 other devices may differ in the last bits, and on the CPU a wide solo verify at long context takes NumPy's
-attention (`cpu_kernels`) while a batched one keeps MLX's, so a near tie can round differently there.
+attention (`cpu_kernels`) while a batched verify keeps MLX's kernels, so a near tie can round differently
+there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -143,11 +145,19 @@ class BatchedPlainTarget:
             mx.eval(cache_ops.cache_arrays(r.caches), r.features[-1:] if r.capture else [])
         return not r.pending
 
-    def _forward(self, tokens: mx.array, caches: list[Any], record: bool) -> tuple[mx.array, mx.array | None]:
-        """tokens [B, n] after `caches`; with `record`, the serial target's taps give [B, n, C] features."""
+    def _forward(
+        self, tokens: mx.array, caches: list[Any], record: bool, *, kernels: bool = True
+    ) -> tuple[mx.array, mx.array | None]:
+        """tokens [B, n] after `caches`; with `record`, the serial target's taps give [B, n, C] features.
+
+        `kernels`: the CPU wrappers' wide paths (a row's prompt chunk, as the serial prefill). A batched verify
+        keeps MLX's own kernels: their rule looks at the whole [B, n] forward, so a row would otherwise round
+        differently from its solo verify (which stays on MLX below long contexts) as the batch grows.
+        """
         serial = self._serial
+        scope = cpu_kernels.active() if kernels else contextlib.nullcontext()
         if not record or serial is None:
-            with cpu_kernels.active():
+            with scope:
                 return self._model(tokens, cache=caches), None
         rec = self._recorder
         rec.wanted = frozenset(serial.capture_layers)
@@ -155,7 +165,7 @@ class BatchedPlainTarget:
         serial._hub.recorder = rec
         rec.active = True
         try:
-            with cpu_kernels.active():
+            with scope:
                 logits = self._model(tokens, cache=caches)
         finally:
             rec.active = False
@@ -210,7 +220,7 @@ class BatchedPlainTarget:
         # Padding repeats the anchor: its rows come after the row's real ones and are never kept.
         tokens = mx.array([[c.anchor, *c.drafts] + [c.anchor] * (n - 1 - len(c.drafts)) for c in map(calls.get, order)])
         record = any(self._rows[r].capture for r in order)
-        logits, features = self._forward(tokens, self._batch, record)
+        logits, features = self._forward(tokens, self._batch, record, kernels=False)
         greedy = [i for i, r in enumerate(order) if calls[r].sampling.greedy]
         out: list[mx.array] = []
         if greedy:

@@ -44,10 +44,13 @@ def _target_model() -> Any:
 
 
 @functools.cache
-def _dspark_dir() -> Path:
+def _drafter_dir(kind: str) -> Path:
     import tempfile
 
-    return helpers.write_dspark(Path(tempfile.mkdtemp(prefix="batch-dspark-")) / "d", _target_model())
+    root = Path(tempfile.mkdtemp(prefix=f"batch-{kind}-")) / "d"
+    if kind == "dflash":
+        return helpers.write_dflash(root, variant="v2")
+    return helpers.write_dspark(root, _target_model())
 
 
 def service(kind: str, policy: Callable[[], CapPolicy] | None = None) -> GenerationService:
@@ -57,7 +60,7 @@ def service(kind: str, policy: Callable[[], CapPolicy] | None = None) -> Generat
     if kind == "lookup":
         source = LookupDraftSource(block=BLOCK, min_n=1, max_n=3)
     else:
-        source = load_drafter(kind, str(_dspark_dir()), model, target=target, bits=0)
+        source = load_drafter(kind, str(_drafter_dir(kind)), model, target=target, bits=0)
     loaded = LoadedModel(
         name="tiny",
         identity=f"tiny-{kind}",
@@ -134,6 +137,16 @@ def test_speculative_rows_equal_solo_decoding(kind: str, sampled: bool, n: int) 
         assert any(r.accepted for r in rounds)
         if kind == "dspark":  # rows rejected drafts and kept different numbers of rows: per-row rollback ran
             assert any(r.drafted > r.accepted for r in rounds)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_dflash_rows_equal_solo_decoding(sampled: bool) -> None:
+    reqs = requests(3, sampled=sampled, seed=30 + sampled)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(service("dflash"), jobs, join_every=1)
+    assert scheduler.widest == 3 and scheduler.drafting_steps > 0
+    for job, req in zip(jobs, reqs):
+        assert_like_solo(job, solo("dflash", req))
 
 
 def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_dspark.domain.costmodel.batch import batch_rate, batch_tick_seconds, plan_batch
+from mlx_dspark.domain.costmodel.batch import batch_rate, batch_tick_seconds, forward_seconds, plan_batch
 from mlx_dspark.domain.costmodel.curves import CostCurves, expected_rate
+from mlx_dspark.domain.costmodel.draft_cap import RoundTimeCorrection
 
 BLOCK = 7
 # A CPU-like verify curve: flat up to ~8 tokens per forward (weights dominate), then linear (compute).
@@ -48,5 +49,33 @@ def test_low_acceptance_never_speculates_and_the_margin_is_required() -> None:
 
 def test_tick_seconds_count_each_rows_draft_and_context() -> None:
     deep = CostCurves(verify_s={1: 0.05, 8: 0.06}, draft_s={2: 0.004}, slope_s_per_token=1e-6, overhead_s=0.001)
-    assert batch_tick_seconds(deep, 4, 2, depth=1000) == pytest.approx(4 * 0.004 + deep.verify(12) + 4e-3 + 0.001)
+    assert batch_tick_seconds(deep, 4, 2, depth=1000) == pytest.approx(
+        4 * 0.004 + forward_seconds(deep, 12) + 4e-3 + 0.001
+    )
     assert plan_batch(deep, [0.9] * 2, 0, 2).width == 0  # an empty batch still gets a well-defined answer
+
+
+def test_wide_forwards_past_the_calibrated_widths_follow_the_fit_not_a_noisy_last_pair() -> None:
+    # Measured on a busy machine: the last point dips, so the last pair slopes down (plain extrapolation
+    # would make a 72-token forward cost nothing).
+    noisy = CostCurves(verify_s={1: 0.105, 2: 0.116, 4: 0.123, 6: 0.150, 7: 0.142, 8: 0.119})
+    assert noisy.verify(72) == 0.0
+    assert forward_seconds(noisy, 72) > 0.119 and forward_seconds(noisy, 144) > forward_seconds(noisy, 72)
+    assert forward_seconds(noisy, 8) == noisy.verify(8)  # inside the measured range: the curve itself
+    wide, alone = plan_batch(noisy, [0.6] * BLOCK, 8, BLOCK), plan_batch(noisy, [0.6] * BLOCK, 1, BLOCK)
+    assert alone.speculate and wide.cap < alone.cap  # wide forwards cost more: fewer drafts per row
+    flat = CostCurves(verify_s={1: 0.1, 8: 0.1})
+    assert forward_seconds(flat, 64) == pytest.approx(0.1)  # a flat device (a GPU) stays flat
+
+
+def test_observed_wide_forwards_turn_speculation_off_and_cheap_ones_keep_it() -> None:
+    curves = CostCurves(verify_s={1: 0.10, 8: 0.12}, draft_s={c: 0.001 * c for c in range(1, BLOCK + 1)})
+    assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK).speculate
+    slow = RoundTimeCorrection(alpha=1.0)
+    slow.record(4, 0.12, forward_seconds(curves, 4))  # plain steps of 4 rows: as calibrated
+    slow.record(16, 0.60, forward_seconds(curves, 16))  # 4 rows x 4 tokens: 4x what calibration said
+    plan = plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=slow)
+    assert not plan.speculate
+    fast = RoundTimeCorrection(alpha=1.0)
+    fast.record(16, forward_seconds(curves, 16), forward_seconds(curves, 16))
+    assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=fast).speculate
