@@ -28,7 +28,7 @@ def test_the_decision_is_one_info_line() -> None:
             "info",
             "batch.speculation",
             {"width": 8, "speculate": False, "cap": 0, "plain_tok_s": 60.0, "speculative_tok_s": 41.5,
-             "reason": "calibrated"},  # fmt: skip
+             "reason": "calibrated"},
         )
     ]
 
