@@ -1,4 +1,4 @@
-"""Continuous batching for plain decoding: many engine jobs share one batched target forward per step.
+"""Continuous batching: many engine jobs share one batched target forward per step, plain or speculative.
 
 Each job keeps running its own unchanged code (chat service → GenerationService → decode loop) in a lane: a
 thread that runs only while the scheduler waits for it (a baton, so exactly one thread runs at a time and
@@ -12,6 +12,15 @@ of their own, so its decode loop gets control back once each piece is really cac
 PrefillProgress flows through the service's telemetry like a solo row's. A finished, failed or cancelled
 row leaves the batch at once; the others never notice. Each row draws its uniforms from its own decode
 loop's seeded RNG, so its output is the one it would produce alone.
+
+Speculative fixed modes (lookup, DFlash, DSpark) batch too: each lane drafts with its own fork of the
+service's draft source (its own n-gram index or drafter context, the weights shared), on the engine thread,
+and every row's block is verified in the tick's one forward (rows of different block lengths padded; the
+backend masks and rolls back each row on its own). Per batch width the scheduler asks the calibrated cost
+curves (`domain/costmodel/batch.py`) whether speculation still pays; where it does not, rows whose cap
+policy adapts (`--max-draft auto`) take plain batched steps — lossless — while a fixed `--max-draft N` is
+obeyed at every width (its seeded sampled output stays the solo one). Each decision is a
+`BatchSpeculation` event. Auto mode still runs one request at a time.
 """
 
 from __future__ import annotations
@@ -24,26 +33,31 @@ import attrs
 import structlog
 
 from mlx_dspark.application.generation import GenerationService
-from mlx_dspark.domain.drafting.block import DraftBlock
+from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
+from mlx_dspark.domain.costmodel.batch import BatchPlan, forward_seconds, plan_batch
+from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, RoundTimeCorrection
+from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.selection import FixedSelector
-from mlx_dspark.domain.events import BatchStepped
-from mlx_dspark.domain.ports import RollbackKind, TargetModel
+from mlx_dspark.domain.events import BatchSpeculation, BatchStepped
+from mlx_dspark.domain.ports import DraftSource, RollbackKind, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
 _GREEDY = SamplingParams()
+_EXPLORE_EVERY = 16  # while speculating, one plain tick in this many (with observed forwards)
 TELEMETRY_ID = "batch"  # the request id the scheduler's BatchStepped events carry (they belong to no request)
 _log = structlog.get_logger("mlx_dspark.batching")
 
 
 class BatchBackend(Protocol):
-    """A target's batched plain-decoding form (adapters/mlx/batched_target.py)."""
+    """A target's batched form (adapters/mlx/batched_target.py)."""
 
     @property
     def width(self) -> int: ...
 
-    def feed(self, row: int, tokens: Sequence[int]) -> None:
-        """Queue prompt tokens of `row` (starting the row)."""
+    def feed(self, row: int, tokens: Sequence[int], *, capture: bool = False) -> None:
+        """Queue prompt tokens of `row` (starting the row; `capture`: record target features)."""
         ...
 
     def extend_step(self, row: int) -> bool:
@@ -54,13 +68,32 @@ class BatchBackend(Protocol):
         """Prefill the next chunk of the prompt's end; after the last one, the first token (the row joins)."""
         ...
 
-    def step(
-        self, anchors: dict[int, int], sampling: dict[int, SamplingParams], uniforms: dict[int, float]
-    ) -> dict[int, int]: ...
+    def verify(self, calls: dict[int, Any]) -> dict[int, tuple[Acceptance, Any]]:
+        """Every row's [anchor, drafts...] (`row_verify` values) in one forward: per row its verdict and the
+        verified rows' features (None when the row records none); pending until `commit`."""
+        ...
+
+    def commit(self, keep: dict[int, int]) -> None:
+        """Keep the first `keep[row]` verified rows of every row; exactly undo the rest."""
+        ...
+
+    def take_features(self, row: int) -> list[Any]:
+        """Features of the row's prompt chunks since the last call."""
+        ...
+
+    def join_features(self, chunks: Sequence[tuple[Any, int | None]]) -> Any:
+        """One float32 [rows, C] array of (array, rows kept or None = all) chunks, or None when empty."""
+        ...
+
+    def row_verify(
+        self, anchor: int, drafts: tuple[int, ...], q: Any, sampling: SamplingParams, uniforms: tuple[float, ...]
+    ) -> Any:
+        """The backend's value for one row of `verify`."""
+        ...
 
     def close(self, row: int) -> None: ...
 
-    def adopt(self, row: int) -> None:
+    def adopt(self, row: int, *, capture: bool = False) -> None:
         """Move the serial target's cached rows into the batch as `row` (the serial target keeps its copy)."""
         ...
 
@@ -69,9 +102,10 @@ BatchBackendFactory = Callable[[TargetModel], BatchBackend | None]
 
 
 def batchable(generator: GenerationService) -> bool:
-    """Whether requests of this service decode plainly (speculative and auto modes run serially)."""
+    """Whether requests of this service can share batched forwards: plain decoding, or a fixed speculative mode
+    whose draft source can fork a per-request copy (auto mode runs serially)."""
     selector = generator.selector
-    return isinstance(selector, FixedSelector) and selector.source is None
+    return isinstance(selector, FixedSelector) and (selector.source is None or hasattr(selector.source, "fork"))
 
 
 class _Cancelled(Exception):
@@ -80,32 +114,60 @@ class _Cancelled(Exception):
 
 @attrs.define
 class _Call:
-    kind: str  # "extend" | "prefill" | "step" (batched rows); "solo" | "solo-prefill" | "solo-verify" (serial)
+    # "extend" | "prefill" | "verify" (batched rows); "solo" | "solo-prefill" | "solo-verify" (serial);
+    # "draft" (the lane's draft source, on the engine thread)
+    kind: str
     tokens: list[int]
     sampling: SamplingParams
     uniform: float
-    run: Callable[[], Any] | None = None  # the serial target call of a solo row
+    run: Callable[[], Any] | None = None  # the serial target call of a solo row, or the draft call
+    block: DraftBlock = EMPTY_BLOCK
+    uniforms: tuple[float, ...] = ()
+
+
+@attrs.frozen
+class FeatureRows:
+    """A batched row's features since the last take, as chunks (array, rows kept or None = all): an opaque
+    handle for the decode loop that the row's draft source joins (`backend.join_features`) on the engine thread.
+    """
+
+    chunks: tuple[tuple[Any, int | None], ...]
+
+
+@attrs.frozen
+class _Verdict:
+    """A batched verify's answer to one lane: its acceptance and its verified rows' features (or None)."""
+
+    acceptance: Acceptance
+    features: Any
 
 
 class RowTarget:
-    """The TargetModel port of one row: plain decoding only, every forward done by the scheduler.
+    """The TargetModel port of one row: every forward done by the scheduler.
 
     A row admitted alone is solo: it runs on the serial target (today's path, prefix reuse included) until
     another row needs the batch; then the scheduler moves its cached rows into the batch (`to_batched`).
     """
 
-    def __init__(self, lane: Lane, vocab_size: int, solo: TargetModel | None = None) -> None:
+    def __init__(self, lane: Lane, vocab_size: int, solo: TargetModel | None = None, backend: Any = None) -> None:
         self._lane = lane
         self.vocab_size = vocab_size
         self.solo = solo
+        self._backend = backend
         self._ids: list[int] = []
-        self._anchor: int | None = None
+        self._verified: list[int] | None = None  # [anchor, drafts...] of the verify awaiting its commit
+        self._verified_features: Any = None
+        self._features: list[tuple[Any, int | None]] = []  # committed rows' features not yet taken
+        self.capture = False  # whether this request reads target features (set by reset)
 
-    def to_batched(self) -> None:
-        """The row now lives in the batch; its cached ids are the serial target's."""
+    def to_batched(self, unread: Any = None) -> None:
+        """The row now lives in the batch; its cached ids are the serial target's, and `unread` the features
+        of rows it committed there that no drafter has taken yet."""
         assert self.solo is not None
         self._ids = list(self.solo.cached_ids)
         self.solo = None
+        if unread is not None:
+            self._features.append((unread, None))
 
     @property
     def rollback_kind(self) -> RollbackKind:
@@ -123,6 +185,7 @@ class RowTarget:
         return self._lane.call(_Call(kind, [], _GREEDY, 0.0, run))
 
     def reset(self, keep: int = 0, *, capture: bool = True) -> int:
+        self.capture = capture
         solo = self.solo
         if solo is not None:
             kept: int = self._solo(lambda: solo.reset(keep, capture=capture))
@@ -149,43 +212,47 @@ class RowTarget:
         *,
         ahead: float | None = None,
     ) -> Acceptance:
-        if len(block):
-            raise RuntimeError("batched rows decode plainly (no drafts)")
-        if self._anchor is not None:
+        if self._verified is not None:
             raise RuntimeError("verify while the previous verify awaits its commit")
         solo = self.solo
+        kind, run = "verify", None
         if solo is not None:
-            call = _Call(
-                "solo-verify",
-                [anchor],
-                sampling,
-                uniforms[0],
-                lambda: solo.verify(anchor, block, sampling, uniforms, ahead=ahead),
-            )
-        else:
-            call = _Call("step", [anchor], sampling, uniforms[0])
-        self._anchor = anchor
+            kind = "solo-verify"
+            run = lambda: solo.verify(anchor, block, sampling, uniforms, ahead=ahead)  # noqa: E731
+        call = _Call(kind, [anchor], sampling, uniforms[0], run, block=block, uniforms=tuple(uniforms))
+        self._verified = [anchor, *block.tokens]
         result = self._lane.call(call)
-        if isinstance(result, Acceptance):  # still solo: the serial target holds the pending verify
-            return result
-        return Acceptance(accepted=0, next_token=result)
+        if isinstance(result, _Verdict):  # verified in the batch (a solo row may have moved in meanwhile)
+            self._verified_features = result.features
+            return result.acceptance
+        assert isinstance(result, Acceptance)
+        return result
 
     def commit(self, keep_rows: int) -> None:
+        verified, self._verified = self._verified, None
+        if verified is None:
+            raise RuntimeError("commit without a verify")
         if self.solo is not None:
             solo = self.solo
-            self._anchor = None
             self._solo(lambda: solo.commit(keep_rows))
             return
-        anchor, self._anchor = self._anchor, None
-        if anchor is None:
-            raise RuntimeError("commit without a verify")
-        if keep_rows:
-            self._ids.append(anchor)
-        else:  # the loop is finishing: the row's cache holds one row too many, so it must not step again
+        self._ids.extend(verified[:keep_rows])
+        if self._verified_features is not None and keep_rows:
+            self._features.append((self._verified_features, keep_rows))
+        self._verified_features = None
+        self._lane.keep = keep_rows  # the scheduler rolls every row of the batch back at once
+        if not keep_rows:  # the loop is finishing: the row must not step again
             self._lane.spent = True
 
-    def take_features(self) -> None:
-        return None
+    def take_features(self) -> Any:
+        solo = self.solo
+        if solo is not None:
+            return self._solo(solo.take_features)
+        if not self.capture:
+            return None
+        prompt = [(a, None) for a in self._backend.take_features(self._lane.row)] if self._backend else []
+        chunks, self._features = tuple(prompt + self._features), []
+        return FeatureRows(chunks)
 
     # Prefix-cache hooks: a solo row is the serial target; a batched row has no state to save (yet).
 
@@ -216,6 +283,67 @@ class RowTarget:
         return loaded
 
 
+class RowDraftSource:
+    """One lane's own fork of the service's draft source; every call runs on the engine thread."""
+
+    def __init__(self, inner: DraftSource, lane: Lane, join: Callable[[Any], Any]) -> None:
+        self._inner = inner
+        self._lane = lane
+        self._join = join  # FeatureRows chunks -> one features array (the backend's)
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    @property
+    def max_block(self) -> int:
+        return self._inner.max_block
+
+    @property
+    def uses_features(self) -> bool:
+        return self._inner.uses_features
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self._lane.call(_Call("draft", [], _GREEDY, 0.0, lambda: self._inner.begin(prompt)))
+
+    def propose(
+        self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
+    ) -> DraftBlock:
+        def run() -> DraftBlock:
+            features = ctx.features
+            if isinstance(features, FeatureRows):
+                features = self._join(features.chunks)
+            own = attrs.evolve(ctx, features=features)
+            return self._inner.propose(own, cap, sampling, uniforms).truncated(cap)
+
+        block: DraftBlock = self._lane.call(_Call("draft", [], _GREEDY, 0.0, run))
+        return block
+
+
+class _Gate:
+    """The scheduler's current width decision, read by every lane's adaptive cap policy."""
+
+    def __init__(self) -> None:
+        self.speculate = True
+
+
+@attrs.define
+class _GatedCap:
+    """A lane's adaptive cap policy, paused while the batch width makes speculation lose."""
+
+    inner: CapPolicy
+    gate: _Gate
+
+    def cap(self, depth: int) -> int:
+        cap = self.inner.cap(depth)
+        return cap if self.gate.speculate else 0
+
+    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
+        if not drafted and not self.gate.speculate:  # a round the batch made plain says nothing about the cap
+            return None
+        return self.inner.observe(drafted, accepted, seconds, depth)
+
+
 class Lane:
     """One job's thread, run strictly in turns with the scheduler."""
 
@@ -225,6 +353,7 @@ class Lane:
         self.call_pending: _Call | None = None
         self.done = False
         self.spent = False
+        self.keep: int | None = None  # rows the lane's last batched verify keeps (set by its commit)
         self.fed: _Call | None = None  # the prompt piece the backend holds for this row
         self.service: GenerationService | None = None  # set before the first resume
         self.target: RowTarget | None = None
@@ -294,9 +423,16 @@ class BatchScheduler:
 
     Args:
         backend: the target's batched form.
-        generator: the engine's service; each lane gets a copy of it over its own RowTarget.
+        generator: the engine's service; each lane gets a copy of it over its own RowTarget (and, in a
+            speculative mode, its own fork of the draft source).
         max_batch: rows decoded together.
         push: delivers a job's item / error / end to its caller (the engine's queue plumbing).
+        curves: the calibrated cost curves for the width decision (default: those of the service's adaptive
+            cap policy, when it has them; without curves every row keeps its own cap policy).
+        probe_every: while speculation is off, one tick in this many lets rows draft again, so the batch's
+            acceptance estimate stays current.
+        observe_forwards: time every batched forward on the service's clock and correct the curves by what
+            forwards of each token count really take (the engine and bench do; tests on fake clocks do not).
     """
 
     def __init__(
@@ -306,6 +442,9 @@ class BatchScheduler:
         *,
         max_batch: int,
         push: Callable[[Any, str, Any], None],
+        curves: CostCurves | None = None,
+        probe_every: int = 16,
+        observe_forwards: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -315,9 +454,21 @@ class BatchScheduler:
         self._push = push
         self._lanes: list[Lane] = []
         self._next_row = 0
+        self._gate = _Gate()
+        self._curves = curves
+        self._max_cap = 0
+        self._acceptance = EwmaAcceptance()  # the batch's drafts, all rows pooled (re-sized to the cap)
+        self._probe_every = probe_every
+        self._clock = generator.clock if observe_forwards else None
+        self._correction = RoundTimeCorrection()  # observed ÷ predicted batched forward seconds, by tokens
+        self._off_ticks = 0
+        self._on_ticks = 0
+        self._announced: tuple[int, bool] | None = None
         self.steps = 0  # batched forwards
         self.widest = 0
         self.migrations = 0  # solo rows moved into the batch
+        self.drafting_steps = 0  # batched forwards in which some row verified drafts
+        self.decisions: list[BatchPlan] = []  # every width decision, in order (also emitted as telemetry)
 
     @property
     def active(self) -> int:
@@ -349,8 +500,30 @@ class BatchScheduler:
             self._tick()
         self._report(0, 0)  # drained: nothing decodes until the next job
 
-    def _report(self, width: int, prefilling: int) -> None:
-        self._generator.telemetry.emit(TELEMETRY_ID, BatchStepped(width=width, prefilling=prefilling))
+    def _report(self, width: int, prefilling: int, drafting: int = 0) -> None:
+        event = BatchStepped(width=width, prefilling=prefilling, drafting=drafting)
+        self._generator.telemetry.emit(TELEMETRY_ID, event)
+
+    def _row_service(self, lane: Lane) -> GenerationService:
+        """The engine's service over the lane's target; a speculative mode's with the lane's own source fork."""
+        assert lane.target is not None
+        selector = self._generator.selector
+        if not isinstance(selector, FixedSelector) or selector.source is None:
+            return self._generator.on_target(lane.target)
+        source = RowDraftSource(selector.source.fork(), lane, self._backend.join_features)  # type: ignore[attr-defined]
+        factory = selector.policy_factory
+
+        def policy() -> CapPolicy:
+            inner = factory() if factory is not None else FixedCap(source.max_block)
+            if isinstance(inner, FixedCap):  # --max-draft N: obeyed at every width
+                return inner
+            curves = getattr(inner, "curves", None)
+            if self._curves is None and isinstance(curves, CostCurves):
+                self._curves = curves
+            self._max_cap = max(self._max_cap, int(getattr(inner, "max_cap", source.max_block)))
+            return _GatedCap(inner, self._gate)
+
+        return self._generator.on_target(lane.target, selector=FixedSelector(selector.name, source, policy))
 
     def _admit(self, job: Any) -> None:
         if job.cancelled:
@@ -360,8 +533,8 @@ class BatchScheduler:
         self._next_row += 1
         lane = Lane(row, job, self._push)
         serial = self._generator.model.target
-        lane.target = RowTarget(lane, serial.vocab_size, solo=None if self._lanes else serial)
-        lane.service = self._generator.on_target(lane.target)
+        lane.target = RowTarget(lane, serial.vocab_size, solo=None if self._lanes else serial, backend=self._backend)
+        lane.service = self._row_service(lane)
         self._lanes.append(lane)
         lane.resume()  # runs until its prefill call (or its end)
         self._settle(lane)
@@ -370,42 +543,108 @@ class BatchScheduler:
         """A lane that ended or was cancelled leaves the batch now."""
         if lane.done:
             self._backend.close(lane.row)
-            self._lanes.remove(lane)
+            if lane in self._lanes:
+                self._lanes.remove(lane)
         elif lane.job.cancelled and lane.call_pending is not None:
             self._backend.close(lane.row)
             lane.resume(_Cancelled())
             self._settle(lane)
 
     def _tick(self) -> None:
-        solo, prefilled, width = self._tick_rows()
+        solo, prefilled, width, drafting = self._tick_rows()
         if width or solo or prefilled:
-            self._report(width or solo, prefilled)
+            self._report(width or solo, prefilled, drafting)
 
-    def _tick_rows(self) -> tuple[int, int, int]:
-        """One tick; returns (solo rows decoded, rows that ran a prompt chunk, width of the batched step)."""
+    def _run(self, lane: Lane, call: _Call) -> None:
+        """Run a lane's engine-thread call (a solo target call or a draft) and hand it the result."""
+        assert call.run is not None
+        try:
+            result = call.run()
+        except Exception as exc:
+            lane.resume(exc)
+        else:
+            lane.resume(result)
+        self._settle(lane)
+
+    def _drafts(self) -> None:
+        """Every lane waiting on its draft source drafts now (then it waits for its verify)."""
+        for lane in list(self._lanes):
+            call = lane.call_pending
+            while call is not None and call.kind == "draft" and lane in self._lanes:
+                self._run(lane, call)
+                call = lane.call_pending
+
+    def _decide(self, width: int, depth: int) -> None:
+        """Open or close the gate for the next round of `width` rows, from the calibrated curves."""
+        if self._curves is None or self._max_cap < 1:
+            if self._announced is None and self._max_cap:
+                self._announce(BatchPlan(width=width, cap=self._max_cap, plain_tok_s=0.0, speculative_tok_s=0.0),
+                               "uncalibrated")
+            self._gate.speculate = True
+            return
+        if self._acceptance.positions < self._max_cap:
+            self._acceptance = EwmaAcceptance(positions=self._max_cap)
+        if width <= 1:  # alone, the row's own cap policy decides (it runs the same cost model)
+            self._gate.speculate = True
+            return
+        plan = plan_batch(
+            self._curves,
+            self._acceptance.estimate(),
+            width,
+            self._max_cap,
+            depth=depth,
+            correction=self._correction if self._clock is not None else None,
+        )
+        if (width, plan.speculate) != self._announced:
+            self._announce(plan, "calibrated")
+        if plan.speculate:
+            self._off_ticks = 0
+            self._on_ticks += 1
+            # Observing forwards: one plain tick in a while keeps the plain forward's own cost measured.
+            explore = self._clock is not None and self._on_ticks % _EXPLORE_EVERY == 0
+            self._gate.speculate = not explore
+            return
+        self._off_ticks += 1
+        probe = self._probe_every > 0 and self._off_ticks % self._probe_every == 0
+        self._gate.speculate = probe  # a probe tick measures acceptance; it is not a decision
+
+    def _announce(self, plan: BatchPlan, reason: str) -> None:
+        self._announced = (plan.width, plan.speculate)
+        self.decisions.append(plan)
+        event = BatchSpeculation(
+            width=plan.width,
+            speculate=plan.speculate,
+            cap=plan.cap,
+            plain_tok_s=plan.plain_tok_s,
+            speculative_tok_s=plan.speculative_tok_s,
+            reason=reason,
+        )
+        self._generator.telemetry.emit(TELEMETRY_ID, event)
+
+    def _tick_rows(self) -> tuple[int, int, int, int]:
+        """One tick; returns (solo rows decoded, rows that ran a prompt chunk, width of the batched forward,
+        rows of it that verified drafts)."""
         solo = prefilled = 0
         for lane in list(self._lanes):
             self._settle(lane)
+        self._drafts()
         for lane in [
             lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind.startswith("solo")
         ]:
             call = lane.call_pending
             assert call is not None and call.run is not None and lane.target is not None
             if call.kind == "solo-verify" and len(self._lanes) > 1:  # another row wants the batch: move in
-                self._backend.adopt(lane.row)
-                lane.target.to_batched()
-                call.kind = "step"
+                serial = lane.target.solo
+                assert serial is not None
+                self._backend.adopt(lane.row, capture=lane.target.capture)
+                unread = serial.take_features() if lane.target.capture else None
+                lane.target.to_batched(unread)
+                call.kind = "verify"
                 self.migrations += 1
                 continue
             solo += call.kind == "solo-verify"
             prefilled += call.kind == "solo-prefill"
-            try:
-                result = call.run()
-            except Exception as exc:
-                lane.resume(exc)
-            else:
-                lane.resume(result)
-            self._settle(lane)
+            self._run(lane, call)
         prefilling = [
             lane
             for lane in self._lanes
@@ -413,9 +652,9 @@ class BatchScheduler:
         ]
         for lane in prefilling:  # one chunk each per tick, interleaved with the decode step
             call = lane.call_pending
-            assert call is not None
+            assert call is not None and lane.target is not None
             if lane.fed is not call:
-                self._backend.feed(lane.row, call.tokens)
+                self._backend.feed(lane.row, call.tokens, capture=lane.target.capture)
                 lane.fed = call
             prefilled += 1
             try:
@@ -432,17 +671,23 @@ class BatchScheduler:
             if done:
                 lane.resume(token)
                 self._settle(lane)
-        stepping = [lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "step"]
+        self._drafts()  # rows that just got their first token draft their first block
+        stepping = [
+            lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "verify"
+        ]
         if not stepping:
-            return solo, prefilled, 0
-        if len(stepping) != self._backend.width:  # every row in the batch waits for its token between steps
-            raise RuntimeError(f"{len(stepping)} rows asked for a step of a batch of {self._backend.width}")
+            return solo, prefilled, 0, 0
+        if len(stepping) != self._backend.width:  # every row in the batch waits for its verify between ticks
+            raise RuntimeError(f"{len(stepping)} rows asked for a verify of a batch of {self._backend.width}")
         calls = {lane.row: lane.call_pending for lane in stepping}
+        started = self._clock.now() if self._clock is not None else 0.0
         try:
-            tokens = self._backend.step(
-                {r: c.tokens[0] for r, c in calls.items() if c is not None},
-                {r: c.sampling for r, c in calls.items() if c is not None},
-                {r: c.uniform for r, c in calls.items() if c is not None},
+            verdicts = self._backend.verify(
+                {
+                    r: self._backend.row_verify(c.tokens[0], c.block.tokens, c.block.q, c.sampling, c.uniforms)
+                    for r, c in calls.items()
+                    if c is not None
+                }
             )
         except Exception as exc:  # the shared forward failed: every row in it fails, the engine goes on
             _log.error("batching.step_failed", error=str(exc), rows=len(stepping))
@@ -450,10 +695,28 @@ class BatchScheduler:
                 self._backend.close(lane.row)
                 lane.resume(exc)
                 self._settle(lane)
-            return solo, prefilled, 0
+            return solo, prefilled, 0, 0
+        if self._clock is not None and self._curves is not None:
+            tokens = len(stepping) * (1 + max(len(c.block) for c in calls.values() if c is not None))
+            self._correction.record(tokens, self._clock.now() - started, forward_seconds(self._curves, tokens))
         self.steps += 1
         self.widest = max(self.widest, len(stepping))
+        drafting = 0
+        for r, c in calls.items():
+            if c is not None and len(c.block):
+                drafting += 1
+                self._acceptance.record(len(c.block), verdicts[r][0].accepted)
+        self.drafting_steps += drafting > 0
+        # The next round's caps are chosen as the lanes resume: decide for this width first.
+        depth = sum(lane.target.cached_tokens for lane in stepping if lane.target is not None) // len(stepping)
+        self._decide(len(stepping), depth)
         for lane in stepping:
-            lane.resume(tokens[lane.row])
+            lane.keep = None
+            acceptance, features = verdicts[lane.row]
+            lane.resume(_Verdict(acceptance, features))
             self._settle(lane)
-        return solo, prefilled, len(stepping)
+        if self._backend.width:
+            keep = {lane.row: lane.keep or 0 for lane in stepping if lane in self._lanes}
+            self._backend.commit(keep)
+        return solo, prefilled, len(stepping), drafting
+

@@ -5,11 +5,15 @@ path). Decode throughput counts the tokens committed after every row has its fir
 from then to the last token, so prefill does not hide in it; end-to-end tok/s is reported beside it.
 Each level's first request is checked against the same request at N = 1 (greedy: token for token;
 sampled: the same seed gives the same tokens).
+
+With several modes (`--modes baseline,dspark,lookup`) every level runs each mode back to back, plain
+decoding first, so each mode's ratio against batched plain decoding at the same N is paired in time
+(`run_concurrency_modes`); greedy runs also check each mode's first request against plain decoding's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -28,8 +32,11 @@ class ConcurrencyPoint:
     end_to_end_tokens_per_second: float
     wall_s: float
     widest_batch: int
-    speedup: float  # decode tok/s over the N = 1 level of the same run
+    speedup: float  # decode tok/s over the N = 1 level of the same mode in the same run
     lossless: bool
+    mode: str = "baseline"
+    vs_baseline: float = 1.0  # decode tok/s over plain decoding at the same N, measured just before
+    drafting_steps: int = 0  # batched forwards in which some row verified drafts
 
 
 class _Job:
@@ -61,6 +68,90 @@ def _taker(jobs: Sequence[_Job]) -> Callable[[], _Job | None]:
     return lambda: next(queued, None)
 
 
+def _measure(
+    generator: GenerationService,
+    backend: BatchBackend,
+    requests: Sequence[GenerationRequest],
+    clock: Clock,
+) -> tuple[list[_Job], float, float, int, int]:
+    """Run the requests together: (jobs, decode tok/s, wall seconds, widest batch, drafting forwards)."""
+    generator.model.target.reset(0)  # no prefix from the previous level
+    jobs = [_Job(r, clock) for r in requests]
+    scheduler = BatchScheduler(backend, generator, max_batch=len(jobs), push=_push, observe_forwards=True)
+    start = clock.now()
+    scheduler.run(jobs[0], _taker(jobs[1:]))
+    wall = clock.now() - start
+    failed = [j.error for j in jobs if j.error is not None]
+    if failed:
+        raise failed[0]
+    all_started = max(j.stamps[0][0] for j in jobs if j.stamps) if any(j.stamps for j in jobs) else start
+    last = max((j.stamps[-1][0] for j in jobs if j.stamps), default=all_started)
+    after = sum(c for j in jobs for t, c in j.stamps if t > all_started)
+    decode = after / (last - all_started) if last > all_started else 0.0
+    return jobs, decode, wall, max(scheduler.widest, 1), scheduler.drafting_steps
+
+
+def run_concurrency_modes(
+    generators: Mapping[str, GenerationService],
+    backend: BatchBackend,
+    prompts: Sequence[str],
+    clock: Clock,
+    *,
+    levels: Sequence[int] = (1, 2, 4, 8),
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: Callable[[str, float], None] | None = None,
+) -> list[ConcurrencyPoint]:
+    """Each level in order (1 first), every mode at that level back to back, the first mode (plain decoding)
+    first: its decode tok/s at the same N is every other mode's `vs_baseline`."""
+    order = sorted({1, *levels})
+    modes = list(generators)
+
+    def request(i: int) -> GenerationRequest:
+        sampling = SamplingParams(temperature=temperature, seed=seed + i)
+        return GenerationRequest(prompt=prompts[i % len(prompts)], max_tokens=max_tokens, sampling=sampling)
+
+    points: list[ConcurrencyPoint] = []
+    reference: dict[str, list[int]] = {}
+    base: dict[str, float] = {}
+    steps = len(order) * len(modes)
+    for k, n in enumerate(order):
+        plain_rate = 0.0
+        for m, mode in enumerate(modes):
+            if progress is not None:
+                progress(f"{mode} at {n} concurrent", (k * len(modes) + m) / steps)
+            jobs, decode, wall, widest, drafting = _measure(
+                generators[mode], backend, [request(i) for i in range(n)], clock
+            )
+            if mode not in reference:
+                reference[mode], base[mode] = jobs[0].tokens, decode
+            if m == 0:
+                plain_rate = decode
+            lossless = jobs[0].tokens == reference[mode]
+            if temperature == 0.0 and m:  # greedy: every mode must give plain decoding's tokens
+                lossless = lossless and jobs[0].tokens == reference[modes[0]]
+            generated = sum(len(j.tokens) for j in jobs)
+            points.append(
+                ConcurrencyPoint(
+                    concurrency=n,
+                    generated_tokens=generated,
+                    decode_tokens_per_second=decode,
+                    end_to_end_tokens_per_second=generated / wall if wall > 0 else 0.0,
+                    wall_s=wall,
+                    widest_batch=widest,
+                    speedup=decode / base[mode] if base[mode] > 0 else 0.0,
+                    lossless=lossless,
+                    mode=mode,
+                    vs_baseline=decode / plain_rate if plain_rate > 0 else 0.0,
+                    drafting_steps=drafting,
+                )
+            )
+    if progress is not None:
+        progress("done", 1.0)
+    return [p for p in points if p.concurrency in levels or p.concurrency == 1]
+
+
 def run_concurrency_bench(
     generator: GenerationService,
     backend: BatchBackend,
@@ -73,58 +164,30 @@ def run_concurrency_bench(
     seed: int = 0,
     progress: Callable[[str, float], None] | None = None,
 ) -> list[ConcurrencyPoint]:
-    """Measure each level in order (1 is always measured first: the baseline of the ratios)."""
-    order = sorted({1, *levels})
-
-    def request(i: int) -> GenerationRequest:
-        sampling = SamplingParams(temperature=temperature, seed=seed + i)
-        return GenerationRequest(prompt=prompts[i % len(prompts)], max_tokens=max_tokens, sampling=sampling)
-
-    points: list[ConcurrencyPoint] = []
-    reference: list[int] | None = None
-    base = 0.0
-    for k, n in enumerate(order):
-        if progress is not None:
-            progress(f"{n} concurrent", k / len(order))
-        generator.model.target.reset(0)  # no prefix from the previous level
-        jobs = [_Job(request(i), clock) for i in range(n)]
-        scheduler = BatchScheduler(backend, generator, max_batch=n, push=_push)
-        start = clock.now()
-        scheduler.run(jobs[0], _taker(jobs[1:]))
-        wall = clock.now() - start
-        failed = [j.error for j in jobs if j.error is not None]
-        if failed:
-            raise failed[0]
-        all_started = max(j.stamps[0][0] for j in jobs if j.stamps) if any(j.stamps for j in jobs) else start
-        last = max((j.stamps[-1][0] for j in jobs if j.stamps), default=all_started)
-        after = sum(c for j in jobs for t, c in j.stamps if t > all_started)
-        decode = after / (last - all_started) if last > all_started else 0.0
-        generated = sum(len(j.tokens) for j in jobs)
-        if reference is None:
-            reference, base = jobs[0].tokens, decode
-        points.append(
-            ConcurrencyPoint(
-                concurrency=n,
-                generated_tokens=generated,
-                decode_tokens_per_second=decode,
-                end_to_end_tokens_per_second=generated / wall if wall > 0 else 0.0,
-                wall_s=wall,
-                widest_batch=max(scheduler.widest, 1),
-                speedup=decode / base if base > 0 else 0.0,
-                lossless=jobs[0].tokens == reference,
-            )
-        )
-    if progress is not None:
-        progress("done", 1.0)
-    return [p for p in points if p.concurrency in levels or p.concurrency == 1]
+    """Measure each level of one service in order (1 is always measured first: the baseline of the ratios)."""
+    return run_concurrency_modes(
+        {generator.mode: generator},
+        backend,
+        prompts,
+        clock,
+        levels=levels,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        progress=progress,
+    )
 
 
 def render_concurrency(points: Sequence[ConcurrencyPoint]) -> str:
-    lines = ["concurrent  decode tok/s  x vs 1  e2e tok/s  widest  tokens  lossless"]
+    modes = list(dict.fromkeys(p.mode for p in points))
+    several = len(modes) > 1
+    head = "concurrent  decode tok/s  x vs 1  e2e tok/s  widest  tokens  lossless"
+    lines = [f"{'mode':<10}  {head}  x vs plain  drafting" if several else head]
     for p in points:
-        lines.append(
+        row = (
             f"{p.concurrency:>10}  {p.decode_tokens_per_second:>12.1f}  {p.speedup:>6.2f}"
             f"  {p.end_to_end_tokens_per_second:>9.1f}  {p.widest_batch:>6}  {p.generated_tokens:>6}"
-            f"  {'yes' if p.lossless else 'NO'}"
+            f"  {'yes' if p.lossless else 'NO':>8}"
         )
+        lines.append(f"{p.mode:<10}  {row}  {p.vs_baseline:>10.2f}  {p.drafting_steps:>8}" if several else row)
     return "\n".join(lines) + "\n"

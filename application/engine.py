@@ -102,7 +102,7 @@ class EngineThread:
         max_queue: jobs that may wait (both lanes together) besides the running one.
         name: the thread's name.
         max_batch: requests decoded together (1: strictly one at a time).
-        batch_backend: the target's batched form, when it has one (plain decoding only).
+        batch_backend: the target's batched form, when it has one (plain and fixed speculative modes).
         on_serve: runs on the engine thread with each GenerationService before it is served (after the load,
             at every switch): facts measured there can be read by callers without waiting for the engine.
     """
@@ -349,7 +349,11 @@ class EngineThread:
             _log.info("engine.batching_off", reason="the target's caches have no batched form")
             return None
         return BatchScheduler(
-            backend, generator, max_batch=self._max_batch, push=lambda job, kind, value: job._push(kind, value)
+            backend,
+            generator,
+            max_batch=self._max_batch,
+            push=lambda job, kind, value: job._push(kind, value),
+            observe_forwards=True,
         )
 
     def _quick_between(self) -> None:

@@ -141,18 +141,23 @@ class GenerationService:
         return self.selector.mode
 
     @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
     def telemetry(self) -> TelemetrySink:
         """Where this service's events go (the batch scheduler reports its ticks there too)."""
         return self._telemetry
 
-    def on_target(self, target: TargetModel) -> GenerationService:
-        """The same service over another target (a batched row), sharing selector, clock, telemetry and
-        prefix cache (a target that cannot save states, `state_tag` "", reuses only its live rows)."""
+    def on_target(self, target: TargetModel, *, selector: SourceSelector | None = None) -> GenerationService:
+        """The same service over another target (a batched row), sharing clock, telemetry, prefix cache (a
+        target that cannot save states, `state_tag` "", reuses only its live rows) and the selector, unless
+        `selector` replaces it (a batched row's own fork of the draft source)."""
         return GenerationService(
             attrs.evolve(self.model, target=target),
             clock=self._clock,
             telemetry=self._telemetry,
-            selector=self.selector,
+            selector=selector or self.selector,
             prefix_cache=self.prefix_cache,
         )
 

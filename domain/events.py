@@ -117,12 +117,36 @@ class BatchStepped:
         width: rows that got their next token in this tick's one forward (1: a lone row on the serial
             target; 0: the batch drained and the scheduler went idle).
         prefilling: rows that ran a prompt chunk in this tick.
+        drafting: rows of the forward that verified drafts (speculative rows; the rest took plain steps).
     """
 
     width: int
     prefilling: int
+    drafting: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class BatchSpeculation:
+    """The scheduler's decision for speculative rows at a batch width (emitted when it changes).
+
+    Attributes:
+        width: rows in the batched forward the decision is for.
+        speculate: whether rows with an adaptive cap draft at this width (False: plain batched steps).
+        cap: the best drafts per row at this width under the calibrated curves (0 = plain).
+        plain_tok_s: expected aggregate tok/s of plain batched steps at this width.
+        speculative_tok_s: expected aggregate tok/s at `cap` (at the best cap > 0 when not speculating).
+        reason: "calibrated" (the cost curves decided), "probe" (one tick drafting to keep measuring
+            acceptance) or "uncalibrated" (no curves: rows keep their own cap policies).
+    """
+
+    width: int
+    speculate: bool
+    cap: int
+    plain_tok_s: float
+    speculative_tok_s: float
+    reason: str
 
 
 DecodeEvent = TokensCommitted | PrefillProgress | RoundFinished | CapChanged | SourceSwitched | Finished
 # What telemetry sinks receive: the decode loop's events, plus the use case's and the scheduler's own.
-TelemetryEvent = DecodeEvent | PrefixReused | BatchStepped
+TelemetryEvent = DecodeEvent | PrefixReused | BatchStepped | BatchSpeculation

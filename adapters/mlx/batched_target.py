@@ -1,46 +1,107 @@
-"""BatchedPlainTarget: plain decoding of many requests in one forward over mlx-lm's batched KV cache.
+"""BatchedPlainTarget: plain and speculative decoding of many requests in one forward over mlx-lm's batched
+KV cache.
 
 Each row is prefilled alone (the same pieces, chunks and last-token forward as `MlxTargetModel.extend` and
-`prefill`, so its first token is the solo one) into its own `KVCache` list; it then joins the shared `BatchKVCache`
-(left-padded, with per-row masks and RoPE offsets) and every decode step runs all rows as one [B, 1]
-forward. Finished rows are filtered out at once. Only dense KV targets batch: rotating (sliding-window)
-and recurrent caches have no batched form here, so `batch_backend` returns None for them and they run
-serially. On float32 CPU models the batched rows are bit-identical to solo decoding (tests check it);
-reduced-precision matmuls on other devices may differ in the last bits (see architecture.md).
+`prefill`, so its first token is the solo one) into its own `KVCache` list; it then joins the shared batch
+cache (left-padded, with per-row masks and RoPE offsets) and every tick runs all rows as one [B, n]
+forward: each row's anchor and drafts, right-padded to the longest block (a row's real tokens come before its
+padding, so causal attention never lets them see it; rows never see each other). Each row's acceptance is
+decided on its own logits by the serial target's functions. Rollback is per row: the columns no row keeps are
+trimmed, and a row that keeps fewer than the longest keeper gets holes — columns masked out of every later
+forward, its RoPE offset moved back to its real length — which are squeezed out once they add up.
+Finished rows are filtered out at once. Only dense KV targets batch: rotating (sliding-window) and recurrent
+caches have no batched form here, so `batch_backend` returns None for them and they run serially. On float32
+CPU models the batched rows are bit-identical to solo decoding (tests check it); reduced-precision matmuls on
+other devices may differ in the last bits, and on the CPU a wide solo verify at long context takes NumPy's
+attention (`cpu_kernels`) while a batched verify keeps MLX's kernels, so a near tie can round differently
+there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, cast
 
+import attrs
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx import cpu_kernels
-from mlx_dspark.adapters.mlx.acceptance import pick_token
-from mlx_dspark.adapters.mlx.target import MlxTargetModel, default_prefill_chunk
+from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
+from mlx_dspark.adapters.mlx.target import MlxTargetModel, _Recorder, default_prefill_chunk
 from mlx_dspark.domain.ports import TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
+from mlx_dspark.domain.verification.outcome import Acceptance
+
+_COMPACT_MIN = 32  # hole columns a row may carry before the batch is squeezed (and 1/4 of the columns)
+
+
+class _Holes:
+    """Columns of the batch cache that hold no row's real token (shared by every layer's cache)."""
+
+    def __init__(self) -> None:
+        self.alive: mx.array | None = None  # bool [B, n <= columns]; columns past n are alive; None: no holes
+        self.most = 0  # hole columns of the row that has the most
+
+    def columns(self, width: int) -> mx.array | None:
+        """alive padded (with True) to `width` columns, or None when there are no holes."""
+        alive = self.alive
+        if alive is None:
+            return None
+        n = int(alive.shape[1])
+        if n < width:
+            alive = mx.concatenate([alive, mx.ones((alive.shape[0], width - n), dtype=mx.bool_)], axis=1)
+        return alive[:, :width]
+
+
+class _HoleCache(BatchKVCache):  # type: ignore[misc]
+    """mlx-lm's BatchKVCache whose mask also hides the batch's hole columns."""
+
+    holes: _Holes | None = None
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        alive = self.holes.columns(self._idx + N) if self.holes is not None else None
+        if alive is not None:
+            mask = mask & alive[:, None, None, :]
+        return mask
+
+
+@attrs.frozen
+class RowVerify:
+    """One row's part of a batched verify: [anchor, drafts...] with the drafts' q (None = one-hot)."""
+
+    anchor: int
+    drafts: tuple[int, ...]
+    q: Any
+    sampling: SamplingParams
+    uniforms: tuple[float, ...]
 
 
 class _Row:
-    def __init__(self, caches: list[Any]) -> None:
+    def __init__(self, caches: list[Any], capture: bool) -> None:
         self.caches = caches
+        self.capture = capture  # records target features (a feature-reading drafter's row)
         self.pending: list[int] = []  # queued prompt tokens not yet prefilled
         self.joined = False
+        self.features: list[mx.array] = []  # committed rows' features not yet taken
 
 
 class BatchedPlainTarget:
-    """Rows keyed by the caller's ids; prefill chunk by chunk, then batched one-token steps.
+    """Rows keyed by the caller's ids; prefill chunk by chunk, then batched verifies (a plain step is a verify
+    of no drafts), each followed by one `commit` of every row.
 
     A row's prompt comes in the pieces the serial target gets: `extend` pieces (queued by `feed`, run by
     `extend_step`), then the prompt's end (`feed`, then `prefill_step`), each cut into the same chunks.
 
     Args:
         model: the mlx-lm module (shared with the serial target: weights are not copied).
-        serial: the one-request target over the same module, whose rows `adopt` moves into the batch.
+        serial: the one-request target over the same module, whose rows `adopt` moves into the batch and whose
+            layer taps record features for rows that capture them.
         prefill_chunk: prompt tokens per prefill forward (the serial target's value, for identical sums).
     """
 
@@ -51,20 +112,28 @@ class BatchedPlainTarget:
         self._rows: dict[int, _Row] = {}
         self._order: list[int] = []  # row ids in batch order
         self._batch: list[BatchKVCache] | None = None
+        self._holes = _Holes()
+        self._recorder = _Recorder()
+        self._pending: int | None = None  # the block width of the verify awaiting its commit
+        self.compactions = 0
 
     @property
     def width(self) -> int:
         """Rows in the decode batch."""
         return len(self._order)
 
-    def feed(self, row: int, tokens: Sequence[int]) -> None:
+    def feed(self, row: int, tokens: Sequence[int], *, capture: bool = False) -> None:
         """Queue prompt tokens of `row` (starting the row): `extend_step` or `prefill_step` calls run them."""
         r = self._rows.get(row)
         if r is None:
-            r = self._rows[row] = _Row(cache_ops.make_caches(self._model))
+            r = self._rows[row] = _Row(cache_ops.make_caches(self._model), capture and self._captures)
         elif r.joined:
             raise ValueError(f"row {row} is already in the batch")
         r.pending.extend(tokens)
+
+    @property
+    def _captures(self) -> bool:
+        return self._serial is not None and bool(self._serial.capture_layers)
 
     def extend_step(self, row: int) -> bool:
         """Run the next chunk of the row's queued tokens without logits (as `MlxTargetModel.extend`); True when
@@ -73,13 +142,42 @@ class BatchedPlainTarget:
         piece, r.pending = r.pending[: self._chunk], r.pending[self._chunk :]
         if piece:
             self._row_forward(piece, r)
-            mx.eval(cache_ops.cache_arrays(r.caches))
+            mx.eval(cache_ops.cache_arrays(r.caches), r.features[-1:] if r.capture else [])
         return not r.pending
+
+    def _forward(
+        self, tokens: mx.array, caches: list[Any], record: bool, *, kernels: bool = True
+    ) -> tuple[mx.array, mx.array | None]:
+        """tokens [B, n] after `caches`; with `record`, the serial target's taps give [B, n, C] features.
+
+        `kernels`: the CPU wrappers' wide paths (a row's prompt chunk, as the serial prefill). A batched verify
+        keeps MLX's own kernels: their rule looks at the whole [B, n] forward, so a row would otherwise round
+        differently from its solo verify (which stays on MLX below long contexts) as the batch grows.
+        """
+        serial = self._serial
+        scope = cpu_kernels.active() if kernels else contextlib.nullcontext()
+        if not record or serial is None:
+            with scope:
+                return self._model(tokens, cache=caches), None
+        rec = self._recorder
+        rec.wanted = frozenset(serial.capture_layers)
+        rec.rows = {}
+        serial._hub.recorder = rec
+        rec.active = True
+        try:
+            with scope:
+                logits = self._model(tokens, cache=caches)
+        finally:
+            rec.active = False
+        parts = [rec.rows[i] for i in serial.capture_layers]
+        rec.rows = {}
+        return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
     def _row_forward(self, tokens: Sequence[int], r: _Row) -> mx.array:
         """One row's prompt chunk, through the same attention path as the serial target's."""
-        with cpu_kernels.active():
-            logits: mx.array = self._model(mx.array(list(tokens))[None], cache=r.caches)
+        logits, features = self._forward(mx.array(list(tokens))[None], r.caches, r.capture)
+        if features is not None:
+            r.features.append(features[0])
         return logits
 
     def prefill_step(self, row: int, sampling: SamplingParams, uniform: float) -> int | None:
@@ -92,37 +190,157 @@ class BatchedPlainTarget:
             body = len(r.pending) - 1
             piece, r.pending = r.pending[: min(self._chunk, body)], r.pending[min(self._chunk, body) :]
             self._row_forward(piece, r)
-            mx.eval(cache_ops.cache_arrays(r.caches))
+            mx.eval(cache_ops.cache_arrays(r.caches), r.features[-1:] if r.capture else [])
             return None
         logits = self._row_forward(r.pending, r)[0, -1]
         token = pick_token(logits, sampling, uniform)
-        mx.eval(token)
+        mx.eval(token, r.features[-1:] if r.capture else [])
         r.pending = []
         self._join(row, r)
         return int(cast(int, token.item()))
 
+    def row_verify(
+        self, anchor: int, drafts: tuple[int, ...], q: Any, sampling: SamplingParams, uniforms: tuple[float, ...]
+    ) -> RowVerify:
+        return RowVerify(anchor, tuple(drafts), q, sampling, tuple(uniforms))
+
+    def verify(self, calls: dict[int, RowVerify]) -> dict[int, tuple[Acceptance, mx.array | None]]:
+        """Every row's [anchor, drafts...] in one forward; each row's verdict on its own logits, with the
+        verified rows' features [n, C] when the row records them.
+
+        The rows stay pending until `commit` says how many of each row's verified rows to keep.
+        """
+        if set(calls) != set(self._order):
+            raise ValueError("a verify needs exactly the rows in the batch")
+        if self._pending is not None:
+            raise RuntimeError("verify while the previous verify awaits its commit")
+        assert self._batch is not None
+        order = self._order
+        n = 1 + max(len(calls[r].drafts) for r in order)
+        # Padding repeats the anchor: its rows come after the row's real ones and are never kept.
+        tokens = mx.array([[c.anchor, *c.drafts] + [c.anchor] * (n - 1 - len(c.drafts)) for c in map(calls.get, order)])
+        record = any(self._rows[r].capture for r in order)
+        logits, features = self._forward(tokens, self._batch, record, kernels=False)
+        greedy = [i for i, r in enumerate(order) if calls[r].sampling.greedy]
+        out: list[mx.array] = []
+        if greedy:
+            out.append(mx.argmax(logits[mx.array(greedy)], axis=-1).astype(mx.int32).reshape(-1))
+        sampled: list[int] = []
+        for i, r in enumerate(order):
+            c = calls[r]
+            if c.sampling.greedy:
+                continue
+            sampled.append(i)
+            k = len(c.drafts)
+            if k == 0:  # the serial plain step's draw, so the same uniform picks the same token
+                out.append(mx.stack([mx.array(0, mx.int32), pick_token(logits[i, 0], c.sampling, c.uniforms[0])]))
+            else:
+                out.append(
+                    accept_block(
+                        logits[i, : k + 1],
+                        mx.array(list(c.drafts), dtype=mx.int32),
+                        as_q_rows(c.q, k),
+                        mx.array(list(c.uniforms[: k + 1]), dtype=mx.float32),
+                        c.sampling,
+                    ).astype(mx.int32)
+                )
+        flat = mx.concatenate(out) if len(out) > 1 else out[0]
+        mx.eval(flat, cache_ops.cache_arrays(self._batch), [] if features is None else features)
+        values = cast(list[int], flat.tolist())
+        verdicts: dict[int, Acceptance] = {}
+        for j, i in enumerate(greedy):
+            c = calls[order[i]]
+            best = values[j * n : j * n + len(c.drafts) + 1]
+            verdicts[order[i]] = longest_accepted_prefix(c.drafts, best)
+        base = len(greedy) * n
+        for j, i in enumerate(sampled):
+            accepted, next_token = values[base + 2 * j : base + 2 * j + 2]
+            verdicts[order[i]] = Acceptance(accepted=accepted, next_token=next_token)
+        self._pending = n
+        return {
+            r: (verdicts[r], features[i] if features is not None and self._rows[r].capture else None)
+            for i, r in enumerate(order)
+        }
+
+    def commit(self, keep: dict[int, int]) -> None:
+        """Keep the first `keep[row]` verified rows of every row of the last verify; the rest become holes."""
+        if self._pending is None:
+            raise RuntimeError("commit without a verify")
+        n, self._pending = self._pending, None
+        if set(keep) != set(self._order):
+            raise ValueError("a commit needs exactly the rows in the batch")
+        kept = [keep[r] for r in self._order]
+        if any(not 0 <= k <= n for k in kept):
+            raise ValueError(f"keep rows must be in [0, {n}], got {kept}")
+        if not self._order:
+            return
+        assert self._batch is not None
+        most = max(kept)
+        for c in self._batch:
+            c.trim(n - most)
+        short = [most - k for k in kept]
+        if not any(short):
+            return
+        idx = self._batch[0]._idx
+        shift = mx.array(short)
+        for c in self._batch:
+            c.offset = c.offset - shift
+        # Row i's last short[i] columns hold rejected rows: dead from now on.
+        dead = mx.arange(idx)[None, :] >= (idx - shift)[:, None]
+        alive = self._holes.columns(idx)
+        self._holes.alive = ~dead if alive is None else alive & ~dead
+        self._holes.most += max(short)
+        if self._holes.most > max(_COMPACT_MIN, idx // 4):
+            self._compact()
+
+    def take_features(self, row: int) -> list[mx.array]:
+        """Features of the row's prompt chunks since the last call, in position order."""
+        r = self._rows.get(row)
+        if r is None:
+            return []
+        out, r.features = r.features, []
+        return out
+
+    def join_features(self, chunks: Sequence[tuple[mx.array, int | None]]) -> mx.array | None:
+        """One float32 [rows, C] array (as `MlxTargetModel.take_features`) of (features, rows kept) chunks."""
+        parts = [a if k is None else a[:k] for a, k in chunks]
+        parts = [p for p in parts if int(p.shape[0])]
+        if not parts:
+            return None
+        rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        return rows.astype(mx.float32)
+
+    def _compact(self) -> None:
+        """Squeeze the holes out: every row's live columns, left-padded to the longest (exact: a copy)."""
+        assert self._batch is not None and self._holes.alive is not None
+        first = self._batch[0]
+        idx = first._idx
+        alive = self._holes.columns(idx)
+        assert alive is not None
+        pad = cast(list[int], first.left_padding.tolist())
+        live = cast(list[list[bool]], alive.tolist())
+        columns = [[j for j in range(pad[i], idx) if live[i][j]] for i in range(len(pad))]
+        width = max(len(c) for c in columns)
+        gather = mx.array([[0] * (width - len(c)) + c for c in columns], dtype=mx.int32)
+        left = mx.array([width - len(c) for c in columns])
+        for c in self._batch:
+            index = gather[:, None, :, None]
+            c.keys = mx.take_along_axis(c.keys[..., :idx, :], index, axis=2)
+            c.values = mx.take_along_axis(c.values[..., :idx, :], index, axis=2)
+            c._idx = width
+            c.left_padding = left
+        mx.eval(cache_ops.cache_arrays(self._batch))
+        self._holes.alive = None
+        self._holes.most = 0
+        self.compactions += 1
+
     def step(
         self, anchors: dict[int, int], sampling: dict[int, SamplingParams], uniforms: dict[int, float]
     ) -> dict[int, int]:
-        """One token for every row in the batch, from its anchor (the last committed token)."""
-        if set(anchors) != set(self._order):
-            raise ValueError("a step needs exactly the rows in the batch")
-        assert self._batch is not None
-        tokens = mx.array([[anchors[r]] for r in self._order])
-        logits = self._model(tokens, cache=self._batch)[:, -1]
-        greedy = [i for i, r in enumerate(self._order) if sampling[r].greedy]
-        picks: dict[int, mx.array] = {}
-        if greedy:
-            best = mx.argmax(logits[mx.array(greedy)], axis=-1)
-            for j, i in enumerate(greedy):
-                picks[i] = best[j]
-        for i, r in enumerate(self._order):
-            if i not in picks:  # the serial plain step's draw, so the same uniform picks the same token
-                picks[i] = pick_token(logits[i], sampling[r], uniforms[r])
-        out = mx.stack([picks[i].astype(mx.int32) for i in range(len(self._order))])
-        mx.eval(out, cache_ops.cache_arrays(self._batch))
-        values = cast(list[int], out.tolist())
-        return {r: values[i] for i, r in enumerate(self._order)}
+        """One plain token for every row in the batch, from its anchor (the last committed token)."""
+        verdicts = self.verify({r: RowVerify(anchors[r], (), None, sampling[r], (uniforms[r],)) for r in anchors})
+        self.commit({r: 1 for r in anchors})
+        return {r: v.next_token for r, (v, _) in verdicts.items()}
 
     def close(self, row: int) -> None:
         """Drop a row (finished, cancelled, or failed) at once."""
@@ -133,13 +351,20 @@ class BatchedPlainTarget:
         self._order = [self._order[i] for i in keep]
         if not keep:
             self._batch = None
+            self._holes = _Holes()
+            self._pending = None
             return
         assert self._batch is not None
         index = mx.array(keep)
+        before = self._batch[0]._idx
         for c in self._batch:
             c.filter(index)
+        if self._holes.alive is not None:  # filter shifted the columns left by the padding no row needs now
+            alive = self._holes.columns(before)
+            assert alive is not None
+            self._holes.alive = alive[index][:, before - self._batch[0]._idx :]
 
-    def adopt(self, row: int) -> None:
+    def adopt(self, row: int, *, capture: bool = False) -> None:
         """Copy the serial target's cached rows into the batch as `row`; the serial target keeps its own."""
         if self._serial is None:
             raise RuntimeError("no serial target to adopt from")
@@ -148,16 +373,26 @@ class BatchedPlainTarget:
         # Its caches are plain KV (checked by batch_backend) and no verify is pending between two rounds; a
         # pipelined plain step queued ahead holds one row too many, so it is undone first.
         self._serial._drop_ahead()
-        self._rows[row] = r = _Row(list(self._serial._caches))
+        self._rows[row] = r = _Row(list(self._serial._caches), capture and self._captures)
         self._join(row, r)
 
     def _join(self, row: int, r: _Row) -> None:
-        rows = [BatchKVCache.merge([c]) for c in r.caches]
+        if self._pending is not None:
+            raise RuntimeError("a row joins while a verify awaits its commit")
+        rows = [_HoleCache.merge([c]) for c in r.caches]
         if self._batch is None:
             self._batch = rows
+            for c in rows:
+                c.holes = self._holes
         else:
+            before = self._batch[0]._idx
             for b, c in zip(self._batch, rows):
                 b.extend(c)
+            after = self._batch[0]._idx
+            alive = self._holes.columns(before)
+            if alive is not None:  # extend left-padded the older rows by the newcomer's extra columns
+                older = mx.concatenate([mx.ones((alive.shape[0], after - before), dtype=mx.bool_), alive], axis=1)
+                self._holes.alive = mx.concatenate([older, mx.ones((1, after), dtype=mx.bool_)], axis=0)
         mx.eval(cache_ops.cache_arrays(self._batch))  # copies now: the rows' own caches may change later
         self._order.append(row)
         r.joined = True

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_dspark.domain.events import (
+    BatchSpeculation,
     BatchStepped,
     CapChanged,
     Finished,
@@ -59,6 +60,7 @@ class BroadcastTelemetrySink:
         self.cache_sources: Counter[str] = Counter()  # requests by where their reused prefix came from
         self.batch_widths: Counter[int] = Counter()  # batched ticks by width
         self._batch = (0, 0)  # the scheduler's last (width, prefilling)
+        self.batch_speculation: dict[str, Any] = {}  # the scheduler's latest width decision
         self.widest = 0
 
     # ---- TelemetrySink ----------------------------------------------------------------------------------
@@ -72,6 +74,8 @@ class BroadcastTelemetrySink:
             self._prune(now)
             if isinstance(event, BatchStepped):
                 self._batch_step(event, out)
+            elif isinstance(event, BatchSpeculation):
+                self._batch_speculation(event, out)
             else:
                 self._request_event(request_id, event, now, out)
             for item in out:
@@ -84,10 +88,26 @@ class BroadcastTelemetrySink:
             for listener in listeners:
                 listener(item)
 
+    def _batch_speculation(self, event: BatchSpeculation, out: list[dict[str, Any]]) -> None:
+        self.totals["batch_speculation_changes"] += 1
+        self.batch_speculation = {"width": event.width, "speculate": event.speculate, "cap": event.cap}
+        out.append(
+            {
+                "type": "batch_speculation",
+                "width": event.width,
+                "speculate": event.speculate,
+                "cap": event.cap,
+                "plain_tok_s": event.plain_tok_s,
+                "speculative_tok_s": event.speculative_tok_s,
+                "reason": event.reason,
+            }
+        )
+
     def _batch_step(self, event: BatchStepped, out: list[dict[str, Any]]) -> None:
         if event.width:
             self.totals["batch_steps"] += 1
             self.totals["batch_rows"] += event.width
+            self.totals["batch_drafting_rows"] += event.drafting
             self.batch_widths[event.width] += 1
             self.widest = max(self.widest, event.width)
         now = (event.width, event.prefilling)
@@ -275,6 +295,7 @@ class BroadcastTelemetrySink:
                 "batch_widths": {str(k): v for k, v in sorted(self.batch_widths.items())},
                 "batch_width": self._batch[0],
                 "batch_widest": self.widest,
+                "batch_speculation": dict(self.batch_speculation),
                 "active_requests": len(self._active),
                 "live_tok_s": live,
                 "last": last,

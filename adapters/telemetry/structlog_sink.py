@@ -1,4 +1,5 @@
-"""Per-round, prefill and prefix-reuse debug lines, draft-cap changes and draft-source switches through structlog.
+"""Per-round, prefill and prefix-reuse debug lines, draft-cap changes, draft-source switches and the batch
+scheduler's speculation decisions through structlog.
 
 The canonical line of a request is not written here: the face that owns the request writes it (the HTTP
 driver's `request.finished`, with the dialect and status this sink cannot know), so each request logs once.
@@ -11,6 +12,7 @@ from typing import Any
 import structlog
 
 from mlx_dspark.domain.events import (
+    BatchSpeculation,
     CapChanged,
     PrefillProgress,
     PrefixReused,
@@ -45,6 +47,16 @@ class StructlogTelemetrySink:
         elif isinstance(event, PrefixReused):
             self._log.debug(
                 "prefix.reused", request_id=request_id, rows=event.rows, source=event.source, prompt=event.prompt_tokens
+            )
+        elif isinstance(event, BatchSpeculation):
+            self._log.info(
+                "batch.speculation",
+                width=event.width,
+                speculate=event.speculate,
+                cap=event.cap,
+                plain_tok_s=round(event.plain_tok_s, 2),
+                speculative_tok_s=round(event.speculative_tok_s, 2),
+                reason=event.reason,
             )
         elif isinstance(event, (CapChanged, SourceSwitched)):
             name = "draft_cap.changed" if isinstance(event, CapChanged) else "draft_source.switched"

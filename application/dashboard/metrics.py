@@ -86,6 +86,19 @@ def render(
         "Rows in the batch scheduler's latest step (0 = idle).",
         [({}, (snapshot or {}).get("batch_width", 0))],
     )
+    spec = (snapshot or {}).get("batch_speculation") or {}
+    w.metric(
+        "batch_speculating",
+        "gauge",
+        "Whether the batch scheduler lets speculative rows draft at its latest width (1) or steps them plainly (0).",
+        [({"width": str(spec.get("width", 0))}, 1 if spec.get("speculate") else 0)],
+    )
+    w.metric(
+        "batch_drafting_rows",
+        "counter",
+        "Rows of batched forwards that verified drafts (speculative rows; the rest took plain steps).",
+        [({}, totals.get("batch_drafting_rows", 0))],
+    )
     w.metric(
         "batch_width_max",
         "gauge",

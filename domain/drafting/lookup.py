@@ -67,6 +67,10 @@ class LookupDraftSource:
     def begin(self, prompt: Sequence[int]) -> None:
         self._index.reset()
 
+    def fork(self) -> LookupDraftSource:
+        """A source with the same settings and its own index (one per batched request)."""
+        return LookupDraftSource(self._block, self._index.min_n, self._index.max_n)
+
     def propose(
         self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
     ) -> DraftBlock:

@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concurrency",
         metavar="N,N,...",
-        help="instead: aggregate decode tok/s of N requests batched together (e.g. 1,2,4,8; plain decoding)",
+        help="instead: aggregate decode tok/s of N requests batched together (e.g. 1,2,4,8), plain decoding and"
+        " each of --modes (baseline,lookup,dflash,dspark) at every N, paired against plain decoding",
     )
     p.add_argument(
         "--against",
@@ -95,9 +96,10 @@ def _prefill(args: argparse.Namespace, bar: ProgressBar) -> int:
 
 def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     from mlx_dspark.application import bootstrap
-    from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_bench
+    from mlx_dspark.application.batching import batchable
+    from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
     from mlx_dspark.application.data import load_prompts
-    from mlx_dspark.application.modes import build_generator
+    from mlx_dspark.application.modes import bench_runners
     from mlx_dspark.domain.errors import InvalidRequest
 
     levels = _levels(args.concurrency)
@@ -106,9 +108,16 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     backend = bootstrap.batch_backend_factory()(model.target)
     if backend is None:
         raise InvalidRequest(message="this target's caches have no batched form (rotating or recurrent layers)")
-    generator = build_generator(services, settings, model=model, mode="baseline")
-    points = run_concurrency_bench(
-        generator,
+    requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else ["baseline"]
+    runners = bench_runners(services, settings, model, requested, bar.note, bar.update)
+    unbatched = [mode for mode, gen in runners.items() if not batchable(gen)]
+    if unbatched:
+        raise InvalidRequest(
+            message=f"--concurrency batches plain and fixed speculative modes; {', '.join(unbatched)} runs serially",
+            param="modes",
+        )
+    points = run_concurrency_modes(
+        runners,
         backend,
         prompts,
         services.clock,

@@ -4,7 +4,9 @@ the block layout, and turning per-slot logits into proposals (argmax, or sampled
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
+from typing import Self
 
 import mlx.core as mx
 
@@ -42,6 +44,13 @@ class BackboneDraftSource:
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.cache.reset()
+
+    def fork(self) -> Self:
+        """The same drafter (weights and feature columns shared) with its own context cache: one per batched
+        request."""
+        twin = copy.copy(self)
+        twin.cache = ContextCache(self.drafter)
+        return twin
 
     def ingest(self, ctx: DraftContext) -> None:
         """Append the target features of rows committed since the last call (they end at the anchor)."""

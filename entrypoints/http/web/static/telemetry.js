@@ -88,6 +88,8 @@
       push(charts.batch, (ev.t - t0).toFixed(1) + "s", ev.width);
       widest = Math.max(widest, ev.width);
       $("k-batch").textContent = ev.width; $("k-batch-max").textContent = widest;
+    } else if (ev.type === "batch_speculation") {
+      log(`batch of ${ev.width}: ${ev.speculate ? `speculating, cap ${ev.cap}` : "plain batched steps"} (${ev.reason}; expected ${ev.speculative_tok_s.toFixed(1)} vs ${ev.plain_tok_s.toFixed(1)} tok/s plain)`);
     } else if (ev.type === "cap") {
       log(`cap ${ev.old} → ${ev.new} (${ev.reason})`);
     } else if (ev.type === "finished") {

@@ -1,0 +1,278 @@
+"""Speculative continuous batching: every row's output equals the same request decoded alone.
+
+Tiny float32 targets whose next token depends mostly on the last one (so DSpark drafts are often, not
+always, right) and lookup drafts over repetitive prompts; 1-4 concurrent requests, greedy and seeded
+sampling, joining mid-flight, one cancelled, a plain row beside speculative ones, and the width decision.
+Rows verify blocks of different lengths in one forward and keep different numbers of rows, so the batch
+cache's per-row rollback (holes, their squeezing out) is exercised; drafts and acceptance counts must match
+the solo run exactly, which also pins each row's drafter context (features) to the solo one.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_dspark.adapters.mlx import batched_target
+from mlx_dspark.adapters.mlx.batched_target import batch_backend
+from mlx_dspark.adapters.mlx.drafters import load_drafter
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.application.batching import TELEMETRY_ID, BatchScheduler, batchable
+from mlx_dspark.application.generation import GenerationRequest, GenerationService
+from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap, MeasuredCap
+from mlx_dspark.domain.drafting.lookup import LookupDraftSource
+from mlx_dspark.domain.events import BatchSpeculation, BatchStepped, RoundFinished
+from mlx_dspark.domain.model import LoadedModel
+from mlx_dspark.domain.tokens import SamplingParams
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.integration.drafters import helpers
+from tests.integration.mlx.test_batching import IdTokenizer, Job, push
+
+VOCAB = helpers.VOCAB
+BLOCK = 4
+
+
+@functools.cache
+def _target_model() -> Any:
+    return helpers.tiny_target("qwen3", seed=2)
+
+
+@functools.cache
+def _drafter_dir(kind: str) -> Path:
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix=f"batch-{kind}-")) / "d"
+    if kind == "dflash":
+        return helpers.write_dflash(root, variant="v2")
+    return helpers.write_dspark(root, _target_model())
+
+
+def service(kind: str, policy: Callable[[], CapPolicy] | None = None) -> GenerationService:
+    model = _target_model()
+    target = MlxTargetModel(model, prefill_chunk=4)
+    source: Any
+    if kind == "lookup":
+        source = LookupDraftSource(block=BLOCK, min_n=1, max_n=3)
+    else:
+        source = load_drafter(kind, str(_drafter_dir(kind)), model, target=target, bits=0)
+    loaded = LoadedModel(
+        name="tiny",
+        identity=f"tiny-{kind}",
+        target=target,
+        tokenizer=IdTokenizer(),
+        context_window=4096,
+        family="qwen3",
+    )
+    return GenerationService(
+        loaded,
+        source=source,
+        mode=kind,
+        clock=FakeClock(),
+        telemetry=RecordingTelemetrySink(),
+        cap_policy_factory=policy or (lambda: FixedCap(BLOCK)),
+    )
+
+
+def requests(n: int, *, sampled: bool, seed: int = 0, max_tokens: int | None = None) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        motif = [rng.randrange(8, VOCAB) for _ in range(rng.randrange(2, 5))]
+        prompt = tuple((motif * 6)[: rng.randrange(5, 21)])  # repetitive: lookup has something to continue
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=200 + i) if sampled else SamplingParams()
+        out.append(GenerationRequest(prompt=prompt, max_tokens=max_tokens or rng.randrange(10, 30), sampling=sampling))
+    return out
+
+
+def solo(kind: str, request: GenerationRequest, policy: Callable[[], CapPolicy] | None = None) -> Any:
+    return service(kind, policy).generate(request)
+
+
+def run_batched(gen: GenerationService, jobs: list[Job], *, join_every: int, max_batch: int = 8) -> BatchScheduler:
+    backend = batch_backend(gen.model.target)
+    assert backend is not None and batchable(gen)
+    scheduler = BatchScheduler(backend, gen, max_batch=max_batch, push=push)
+    waiting = list(jobs[1:])
+    calls = 0
+
+    def take() -> Job | None:
+        nonlocal calls
+        calls += 1
+        return waiting.pop(0) if waiting and calls % join_every == 0 else None
+
+    scheduler.run(jobs[0], take)
+    while waiting:
+        scheduler.run(waiting.pop(0), take)
+    return scheduler
+
+
+def assert_like_solo(job: Job, want: Any) -> None:
+    assert job.ended == "end", job.error
+    got = job.result()
+    assert job.tokens() == want.token_ids
+    assert got.finish_reason is want.finish_reason
+    # The same drafts were proposed and accepted: each row's drafter saw exactly its solo context.
+    assert (got.rounds, got.drafted, got.accepted) == (want.rounds, want.drafted, want.accepted)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "lookup"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_speculative_rows_equal_solo_decoding(kind: str, sampled: bool, n: int) -> None:
+    reqs = requests(n, sampled=sampled, seed=n + 10 * sampled)
+    jobs = [Job(r) for r in reqs]
+    gen = service(kind)
+    scheduler = run_batched(gen, jobs, join_every=2)
+    for job, req in zip(jobs, reqs):
+        assert_like_solo(job, solo(kind, req))
+    if n > 1:
+        assert scheduler.widest > 1 and scheduler.drafting_steps > 0
+        rounds = [e for rid, e in gen.telemetry.events if isinstance(e, RoundFinished)]  # type: ignore[attr-defined]
+        assert any(r.accepted for r in rounds)
+        if kind == "dspark":  # rows rejected drafts and kept different numbers of rows: per-row rollback ran
+            assert any(r.drafted > r.accepted for r in rounds)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_dflash_rows_equal_solo_decoding(sampled: bool) -> None:
+    reqs = requests(3, sampled=sampled, seed=30 + sampled)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(service("dflash"), jobs, join_every=1)
+    assert scheduler.widest == 3 and scheduler.drafting_steps > 0
+    for job, req in zip(jobs, reqs):
+        assert_like_solo(job, solo("dflash", req))
+
+
+def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched_target, "_COMPACT_MIN", 2)
+    reqs = requests(3, sampled=True, seed=5, max_tokens=40)
+    jobs = [Job(r) for r in reqs]
+    gen = service("dspark")
+    backend = batch_backend(gen.model.target)
+    assert backend is not None
+    scheduler = BatchScheduler(backend, gen, max_batch=4, push=push)
+    pending = list(jobs[1:])
+    scheduler.run(jobs[0], lambda: pending.pop(0) if pending else None)
+    assert backend.compactions >= 1
+    for job, req in zip(jobs, reqs):
+        assert_like_solo(job, solo("dspark", req))
+
+
+def test_rows_join_mid_flight_and_one_cancelled_row_leaves_the_others_undisturbed() -> None:
+    reqs = [*requests(2, sampled=False, seed=3, max_tokens=24), *requests(2, sampled=True, seed=4, max_tokens=24)]
+    jobs = [Job(r, cancel_after=3 if i == 1 else None) for i, r in enumerate(reqs)]
+    run_batched(service("dspark"), jobs, join_every=3)
+    cancelled = jobs[1]
+    assert cancelled.ended == "end" and cancelled.result() is None
+    full = solo("dspark", reqs[1]).token_ids
+    assert 0 < len(cancelled.tokens()) < len(full) and cancelled.tokens() == full[: len(cancelled.tokens())]
+    for job, req in zip(jobs, reqs):
+        if job is not cancelled:
+            assert_like_solo(job, solo("dspark", req))
+
+
+def test_a_plain_row_shares_the_forward_with_speculative_rows() -> None:
+    caps = iter([BLOCK, 0, BLOCK, 0])
+    policies: list[CapPolicy] = []
+
+    def alternating() -> CapPolicy:
+        policies.append(FixedCap(next(caps)))
+        return policies[-1]
+
+    reqs = requests(4, sampled=True, seed=8, max_tokens=20)
+    jobs = [Job(r) for r in reqs]
+    gen = service("dspark", alternating)
+    run_batched(gen, jobs, join_every=1)
+    steps = [e for rid, e in gen.telemetry.events if isinstance(e, BatchStepped) and e.width > 1]  # type: ignore[attr-defined]
+    assert any(0 < s.drafting < s.width for s in steps)  # drafting rows and plain rows in one forward
+    for i, (job, req) in enumerate(zip(jobs, reqs)):
+        want = solo("dspark", req, lambda i=i: FixedCap(policies[i].value))  # type: ignore[attr-defined]
+        assert_like_solo(job, want)
+        assert (job.result().drafted == 0) == (policies[i].value == 0)  # type: ignore[attr-defined]
+
+
+# Flat up to 2 tokens per forward, then linear: one row speculating pays, three rows do not.
+KNEE = CostCurves(
+    verify_s={1: 0.010, 2: 0.0105, 4: 0.021, 8: 0.042, 16: 0.084}, draft_s={c: 0.0002 * c for c in range(1, 6)}
+)
+FLAT = CostCurves(verify_s={1: 0.010, 40: 0.0105}, draft_s={c: 0.0001 * c for c in range(1, 6)})
+
+
+@pytest.mark.parametrize("curves", [KNEE, FLAT], ids=["knee", "flat"])
+def test_the_width_decision_comes_from_the_curves_and_is_reported(curves: CostCurves) -> None:
+    def measured() -> CapPolicy:
+        return MeasuredCap(curves=curves, max_cap=BLOCK)
+
+    reqs = requests(3, sampled=False, seed=12, max_tokens=30)
+    jobs = [Job(r) for r in reqs]
+    gen = service("dspark", measured)
+    scheduler = run_batched(gen, jobs, join_every=1, max_batch=3)
+    events = gen.telemetry.events  # type: ignore[attr-defined]
+    decisions = [e for rid, e in events if isinstance(e, BatchSpeculation)]
+    assert all(rid == TELEMETRY_ID for rid, e in events if isinstance(e, BatchSpeculation))
+    wide = [d for d in decisions if d.width == 3]
+    assert wide and wide[0].reason == "calibrated"
+    steps = [e for rid, e in events if isinstance(e, BatchStepped) and e.width == 3]
+    drafting = sum(1 for s in steps if s.drafting)
+    if curves is KNEE:
+        assert not wide[0].speculate and wide[0].plain_tok_s > wide[0].speculative_tok_s / 1.05
+        assert drafting <= len(steps) // 8 + 1  # only probe ticks draft at width 3
+    else:
+        assert wide[0].speculate and wide[0].cap > 0
+        assert drafting > len(steps) // 2
+    assert scheduler.decisions[-1].width >= 1
+    for job, req in zip(jobs, reqs):  # greedy: lossless whatever the decision
+        assert job.ended == "end", job.error
+        assert job.tokens() == solo("dspark", req, measured).token_ids
+
+
+def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_level() -> None:
+    from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
+
+    spec = service("dspark")
+    plain = GenerationService(spec.model, clock=FakeClock(), telemetry=RecordingTelemetrySink())
+    backend = batch_backend(spec.model.target)
+    assert backend is not None
+    modes = {"baseline": plain, "dspark": spec}
+    prompts = ["abcabcabc", "hello hello"]
+    points = run_concurrency_modes(modes, backend, prompts, FakeClock(), levels=(1, 3), max_tokens=8)
+    assert [(p.mode, p.concurrency) for p in points] == [(m, n) for n in (1, 3) for m in modes]
+    assert all(p.lossless for p in points)  # greedy: every mode's first request gives plain decoding's tokens
+    assert [p.widest_batch for p in points] == [1, 1, 3, 3]
+    assert points[0].vs_baseline == points[2].vs_baseline == 1.0 and points[3].drafting_steps > 0
+    plain3, spec3 = points[2].decode_tokens_per_second, points[3].decode_tokens_per_second
+    assert points[3].vs_baseline == pytest.approx(spec3 / plain3)
+    table = render_concurrency(points)
+    assert "x vs plain" in table and table.count("dspark") == 2
+
+
+def test_the_engine_thread_batches_concurrent_speculative_jobs() -> None:
+    import asyncio
+
+    from mlx_dspark.application.engine import EngineThread
+    from mlx_dspark.application.generation import TextChunk
+
+    reqs = requests(3, sampled=True, seed=40)
+    engine = EngineThread(lambda: service("dspark"), max_batch=4, batch_backend=batch_backend)
+    engine.start()
+    assert engine.wait_ready(30)
+
+    async def one(req: GenerationRequest) -> tuple[int, ...]:
+        job = engine.submit(lambda g: g.stream(req))
+        return tuple(t for item in [i async for i in job] if isinstance(item, TextChunk) for t in item.token_ids)
+
+    async def main() -> list[tuple[int, ...]]:
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.stop(timeout=10)
+    assert engine._batcher is not None and engine._batcher.widest > 1 and engine._batcher.drafting_steps > 0
+    assert outs == [solo("dspark", r).token_ids for r in reqs]

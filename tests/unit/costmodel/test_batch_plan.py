@@ -1,0 +1,81 @@
+"""The width rule: speculation that pays alone stops paying once B·(cap + 1) tokens per forward reach the
+linear part of the verify curve; plain batched steps are chosen there."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_dspark.domain.costmodel.batch import batch_rate, batch_tick_seconds, forward_seconds, plan_batch
+from mlx_dspark.domain.costmodel.curves import CostCurves, expected_rate
+from mlx_dspark.domain.costmodel.draft_cap import RoundTimeCorrection
+
+BLOCK = 7
+# A CPU-like verify curve: flat up to ~8 tokens per forward (weights dominate), then linear (compute).
+KNEE = CostCurves(
+    verify_s={1: 0.050, 2: 0.051, 4: 0.053, 8: 0.060, 16: 0.110, 32: 0.210},
+    draft_s={c: 0.001 * c for c in range(1, BLOCK + 1)},
+)
+FLAT = CostCurves(verify_s={1: 0.05, 64: 0.052}, draft_s={c: 0.0005 * c for c in range(1, BLOCK + 1)})
+
+
+def test_a_width_of_one_agrees_with_the_single_row_model() -> None:
+    for cap in range(BLOCK + 1):
+        assert batch_rate(KNEE, 1, cap, [0.8]) == pytest.approx(expected_rate(KNEE, cap, [0.8]))
+
+
+def test_speculation_pays_alone_and_stops_paying_at_high_width() -> None:
+    plans = {w: plan_batch(KNEE, [0.8] * BLOCK, w, BLOCK) for w in (1, 2, 4, 8)}
+    assert plans[1].speculate and plans[1].cap >= 3
+    assert not plans[8].speculate and plans[8].cap == 0
+    # The chosen cap shrinks as the width grows: each row's drafts cost more of the shared forward.
+    caps = [plans[w].cap for w in (1, 2, 4, 8)]
+    assert caps == sorted(caps, reverse=True)
+    assert plans[8].plain_tok_s > plans[8].speculative_tok_s / 1.05
+
+
+def test_a_flat_curve_keeps_speculating_at_every_width() -> None:
+    for w in (1, 4, 16):
+        plan = plan_batch(FLAT, [0.9] * BLOCK, w, BLOCK)
+        assert plan.speculate and plan.speculative_tok_s > plan.plain_tok_s
+
+
+def test_low_acceptance_never_speculates_and_the_margin_is_required() -> None:
+    assert not plan_batch(FLAT, [0.0] * BLOCK, 2, BLOCK).speculate
+    # Just above break-even: chosen without a margin, refused with a large one.
+    curves = CostCurves(verify_s={1: 0.05, 2: 0.095})
+    assert plan_batch(curves, [0.95], 1, 1, margin=0.0).speculate
+    assert not plan_batch(curves, [0.95], 1, 1, margin=0.2).speculate
+
+
+def test_tick_seconds_count_each_rows_draft_and_context() -> None:
+    deep = CostCurves(verify_s={1: 0.05, 8: 0.06}, draft_s={2: 0.004}, slope_s_per_token=1e-6, overhead_s=0.001)
+    assert batch_tick_seconds(deep, 4, 2, depth=1000) == pytest.approx(
+        4 * 0.004 + forward_seconds(deep, 12) + 4e-3 + 0.001
+    )
+    assert plan_batch(deep, [0.9] * 2, 0, 2).width == 0  # an empty batch still gets a well-defined answer
+
+
+def test_wide_forwards_past_the_calibrated_widths_follow_the_fit_not_a_noisy_last_pair() -> None:
+    # Measured on a busy machine: the last point dips, so the last pair slopes down (plain extrapolation
+    # would make a 72-token forward cost nothing).
+    noisy = CostCurves(verify_s={1: 0.105, 2: 0.116, 4: 0.123, 6: 0.150, 7: 0.142, 8: 0.119})
+    assert noisy.verify(72) == 0.0
+    assert forward_seconds(noisy, 72) > 0.119 and forward_seconds(noisy, 144) > forward_seconds(noisy, 72)
+    assert forward_seconds(noisy, 8) == noisy.verify(8)  # inside the measured range: the curve itself
+    wide, alone = plan_batch(noisy, [0.6] * BLOCK, 8, BLOCK), plan_batch(noisy, [0.6] * BLOCK, 1, BLOCK)
+    assert alone.speculate and wide.cap < alone.cap  # wide forwards cost more: fewer drafts per row
+    flat = CostCurves(verify_s={1: 0.1, 8: 0.1})
+    assert forward_seconds(flat, 64) == pytest.approx(0.1)  # a flat device (a GPU) stays flat
+
+
+def test_observed_wide_forwards_turn_speculation_off_and_cheap_ones_keep_it() -> None:
+    curves = CostCurves(verify_s={1: 0.10, 8: 0.12}, draft_s={c: 0.001 * c for c in range(1, BLOCK + 1)})
+    assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK).speculate
+    slow = RoundTimeCorrection(alpha=1.0)
+    slow.record(4, 0.12, forward_seconds(curves, 4))  # plain steps of 4 rows: as calibrated
+    slow.record(16, 0.60, forward_seconds(curves, 16))  # 4 rows x 4 tokens: 4x what calibration said
+    plan = plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=slow)
+    assert not plan.speculate
+    fast = RoundTimeCorrection(alpha=1.0)
+    fast.record(16, forward_seconds(curves, 16), forward_seconds(curves, 16))
+    assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=fast).speculate
