@@ -212,7 +212,8 @@ def diag(a: argparse.Namespace, work: Path) -> None:
         report[f"ref_{dtype}"] = ref
         log(work, "diag", dtype, report[dtype])
     agree = []
-    for x, y in zip(report.get("ref_bfloat16", report.get("ref_float32", [])), report.get("ref_float32", []), strict=True):
+    f32 = report.get("ref_float32", [])
+    for x, y in zip(report.get("ref_bfloat16", f32), f32, strict=True):
         k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
         agree.append(k)
     report["bf16_vs_f32_first_divergence"] = agree
