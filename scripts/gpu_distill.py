@@ -246,8 +246,9 @@ def diag(a: argparse.Namespace, work: Path) -> None:
         if toks / dt > report.get("best_tok_s", 0):
             report["best_tok_s"], report["best_batch"] = toks / dt, b
         log(
-            work, f"diag throughput B={b}: {toks} tokens in {dt:.1f}s = {toks / dt:.0f} tok/s "
-            f"(half sampled at T 0.7, top-p from {a.top_p_choices})"
+            work,
+            f"diag throughput B={b}: {toks} tokens in {dt:.1f}s = {toks / dt:.0f} tok/s "
+            f"(half sampled at T 0.7, top-p from {a.top_p_choices})",
         )
     (work / "diag.json").write_text(json.dumps(report))
 

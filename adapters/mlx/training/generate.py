@@ -201,9 +201,7 @@ def generate_responses(
     # longest, and one long prompt among short ones made most of a refill's prefill padding.
     window = 8 * batch
     lengths = np.array([len(p) for p in prompts])
-    order = np.concatenate(
-        [w + np.argsort(lengths[w : w + window], kind="stable") for w in range(0, n, window)]
-    )
+    order = np.concatenate([w + np.argsort(lengths[w : w + window], kind="stable") for w in range(0, n, window)])
 
     def refill(free: np.ndarray, tokens: mx.array) -> mx.array:
         """Prefill the next prompts into `free` rows; returns `tokens` with their first tokens set."""
