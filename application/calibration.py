@@ -295,7 +295,8 @@ def measure_drafter(
         # Target features go to the drafter once (they describe rows it has not seen yet).
         ctx = DraftContext(anchor=history[-1], position=depth, history=history, features=features[0])
         features[0] = None
-        source.propose(ctx, cap, GREEDY, [0.5] * cap)
+        # Read the tokens: a draft may still be running on the device when propose returns.
+        _ = source.propose(ctx, cap, GREEDY, [0.5] * cap).tokens
 
     out: dict[int, float] = {}
     for cap in measured_widths(max_cap, 12):
