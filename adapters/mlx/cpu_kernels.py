@@ -123,6 +123,17 @@ _POOL: list[_Pool | None] = []
 _POOL_LOCK = threading.Lock()
 
 
+def _after_fork() -> None:
+    """A forked child has none of the parent's workers (and maybe a held lock): it starts its own."""
+    global _POOL_LOCK  # noqa: PLW0603 - reset once per forked process
+    _POOL_LOCK = threading.Lock()
+    _POOL.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def _pool() -> _Pool | None:
     """The attention workers, one per usable core (None on one core)."""
     with _POOL_LOCK:
