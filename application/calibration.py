@@ -145,9 +145,11 @@ class RoundCosts:
         source: the draft source's name, or "none" for plain decoding.
         rounds: rounds measured.
         round_s: wall seconds per round (the loop's decode time ÷ rounds).
-        draft_s: seconds per round in the draft source (feature hand-over included).
-        per_draft_s: seconds per draft, over the rounds that drafted (the last may draft nothing).
-        verify_s: seconds in the target's verify and commit.
+        draft_s: seconds per round in the draft source's `propose` (feature hand-over included). A drafter
+            that leaves its tokens queued on the device returns before they are computed: their compute
+            then lands in verify_s, which waits for them.
+        per_draft_s: draft_s per draft, over the rounds that drafted (the last may draft nothing).
+        verify_s: seconds in the target's verify and commit (a queued draft's device time included).
         overhead_s: the rest of a round: round_s − draft_s − verify_s (host bookkeeping, events, acceptance).
         drafted: tokens drafted per round.
         committed: tokens committed per round.
@@ -295,7 +297,8 @@ def measure_drafter(
         # Target features go to the drafter once (they describe rows it has not seen yet).
         ctx = DraftContext(anchor=history[-1], position=depth, history=history, features=features[0])
         features[0] = None
-        source.propose(ctx, cap, GREEDY, [0.5] * cap)
+        # Read the tokens: a draft may still be running on the device when propose returns.
+        _ = source.propose(ctx, cap, GREEDY, [0.5] * cap).tokens
 
     out: dict[int, float] = {}
     for cap in measured_widths(max_cap, 12):

@@ -107,6 +107,20 @@ def speculative_accept(p: mx.array, drafts: mx.array, q: mx.array | None, unifor
     return mx.stack([accepted.astype(mx.int32), sample_index(row, uniforms[k])])
 
 
+def greedy_accept(logits: mx.array, drafts: mx.array) -> mx.array:
+    """Verdict of one greedy round from raw logits [k + 1, V]: int32 [accepted, next_token].
+
+    The longest prefix of drafts equal to the argmax rows, then the argmax after it
+    (`domain.verification.greedy.longest_accepted_prefix`).
+    """
+    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    k = drafts.shape[0]
+    if k == 0:
+        return mx.stack([mx.array(0, mx.int32), best[0]])
+    accepted = mx.cumprod((best[:k] == drafts.astype(mx.int32)).astype(mx.int32)).sum().astype(mx.int32)
+    return mx.stack([accepted, mx.take(best, accepted)])
+
+
 def accept_block(
     logits: mx.array, drafts: mx.array, q: mx.array | None, uniforms: mx.array, sampling: SamplingParams
 ) -> mx.array:

@@ -19,11 +19,11 @@ import mlx.core as mx
 
 from mlx_dspark.adapters.mlx import cache_state, cpu_kernels
 from mlx_dspark.adapters.mlx import caches as cache_ops
-from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
+from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, greedy_accept, pick_token
+from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import SamplingParams
-from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
 from mlx_dspark.domain.verification.outcome import Acceptance
 
 EMBEDDING_OUTPUT = -1  # capture id of the hidden state that enters decoder layer 0
@@ -415,6 +415,8 @@ class MlxTargetModel:
     ) -> Acceptance:
         """Run [anchor, drafts...] in one forward and decide acceptance on device (one host sync).
 
+        Drafts still on the device (`DeviceTokens`) are read back with the verdict, in that one sync.
+
         Args:
             anchor: the last committed token.
             block: the drafts (empty for a plain step).
@@ -425,31 +427,35 @@ class MlxTargetModel:
         """
         if self._pending is not None:
             raise RuntimeError("verify while the previous verify awaits its commit")
-        drafts = list(block.tokens)
-        if not drafts:
+        if not len(block):
             return self._plain_step(anchor, sampling, uniforms[0] if uniforms else 0.5, ahead)
         self._drop_ahead()
-        k = len(drafts)
-        tokens = [anchor, *drafts]
+        k = len(block)
+        # Drafts still on the device go straight into the forward and come back with the verdict.
+        on_device = block.pending if isinstance(block.pending, DeviceTokens) else None
+        host = None if on_device is not None else list(block.tokens)
+        if on_device is not None:
+            drafts = on_device.array.astype(mx.int32)
+        else:
+            drafts = mx.array(host, dtype=mx.int32)
         checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
-        logits = self._forward(mx.array(tokens), record=self._recording)[0]
+        inputs = mx.concatenate([mx.array([anchor], dtype=mx.int32), drafts])
+        logits = self._forward(inputs, record=self._recording)[0]
         features = self._recorded() if self._recording else None
-        self._pending = _Pending(tokens, checkpoint, features)
-        extra = [] if features is None else [features]
         if sampling.greedy:
-            best = mx.argmax(logits, axis=-1)
-            mx.eval(best, extra)
-            return longest_accepted_prefix(drafts, cast(list[int], best.tolist()))
-        verdict = accept_block(
-            logits,
-            mx.array(drafts, dtype=mx.int32),
-            as_q_rows(block.q, k),
-            mx.array(list(uniforms[: k + 1]), dtype=mx.float32),
-            sampling,
-        )
-        mx.eval(verdict, extra)
-        accepted, next_token = cast(list[int], verdict.tolist())
-        return Acceptance(accepted=accepted, next_token=next_token)
+            verdict = greedy_accept(logits, drafts)
+        else:
+            verdict = accept_block(
+                logits, drafts, as_q_rows(block.q, k), mx.array(list(uniforms[: k + 1]), dtype=mx.float32), sampling
+            )
+        out = verdict if on_device is None else mx.concatenate([verdict, drafts])
+        mx.async_eval(out, *([] if features is None else [features]))
+        values = cast(list[int], out.tolist())  # the round's one host sync
+        if on_device is not None:
+            on_device.known(tuple(values[2:]))
+        ids = host if host is not None else values[2:]
+        self._pending = _Pending([anchor, *ids], checkpoint, features)
+        return Acceptance(accepted=values[0], next_token=values[1])
 
     def commit(self, keep_rows: int) -> None:
         """Keep the first `keep_rows` rows of the last verify, exactly undoing the rest."""

@@ -69,9 +69,10 @@ def cost_lines(report: dict[str, Any]) -> list[str]:
         if name == "plain":
             continue
         lines.append(
-            f"drafter       {name}: {r['per_draft_ms']:.2f} ms per draft "
+            f"drafter       {name}: {r['per_draft_ms']:.2f} ms per draft to queue "
             f"({r['drafted_per_round']:.1f} tokens a round); "
-            f"round {r['round_ms']:.2f} ms = verify {r['verify_ms']:.2f} + draft {r['draft_ms']:.2f} "
+            f"round {r['round_ms']:.2f} ms = verify with the draft's compute {r['verify_ms']:.2f} "
+            f"+ draft {r['draft_ms']:.2f} "
             f"+ overhead {r['overhead_ms']:.2f}; {r['committed_per_round']:.2f} tokens/round"
         )
 

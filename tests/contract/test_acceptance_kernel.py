@@ -102,6 +102,9 @@ def test_greedy_rows_and_first_token_equal_the_reference():
         drafts = [b if rng.random() < 0.7 else rng.randrange(12) for b in best[:k]]
         fast_best = mx.argmax(mx.array(logits), axis=-1).tolist()
         assert longest_accepted_prefix(drafts, fast_best) == longest_accepted_prefix(drafts, best)
+        verdict = acceptance.greedy_accept(mx.array(logits), mx.array(drafts, dtype=mx.int32)).tolist()
+        expected = longest_accepted_prefix(drafts, best)
+        assert verdict == [expected.accepted, expected.next_token]
         assert acceptance.pick_token(mx.array(logits[0]), greedy, 0.5).item() == best[0]
 
 

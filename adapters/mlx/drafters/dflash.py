@@ -18,6 +18,7 @@ from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
 from mlx_dspark.adapters.mlx.drafters.config import DFlashConfig
 from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
+from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.tokens import SamplingParams
 
@@ -110,7 +111,8 @@ class DFlashDrafter(DrafterBackbone, heads.DraftVocabulary):
 
 
 class DFlashDraftSource(BackboneDraftSource):
-    """DraftSource over a `DFlashDrafter`: one draft forward per round, one host sync (the tokens)."""
+    """DraftSource over a `DFlashDrafter`: one draft forward per round, queued on the device
+    (the target reads the tokens back with its verdict)."""
 
     drafter: DFlashDrafter
 
@@ -133,5 +135,6 @@ class DFlashDraftSource(BackboneDraftSource):
         tokens, q = pick(logits, sampling, u)
         tokens = self.drafter.to_target_ids(tokens)
         q = None if q is None else self.drafter.to_target_probs(q)
-        mx.eval(tokens, *([] if q is None else [q]), *self.cache.state())
-        return DraftBlock(tokens=tuple(tokens.tolist()), q=q, source=self.name)
+        # Queued, not read: the verify reads the tokens back with its verdict.
+        mx.async_eval(tokens, *([] if q is None else [q]), *self.cache.state())
+        return DraftBlock(pending=DeviceTokens(tokens), q=q, source=self.name)

@@ -12,7 +12,7 @@ w1[x_{k−1}]])) uses only x_{<k}, so truncating on it is non-anticipating.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx import nn
@@ -23,6 +23,7 @@ from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
 from mlx_dspark.adapters.mlx.drafters.config import DSparkConfig
 from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
+from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.confidence import confident_prefix_length
 from mlx_dspark.domain.errors import IncompatibleDrafter
@@ -224,7 +225,8 @@ class DSparkDrafter(DrafterBackbone, heads.DraftVocabulary):
 
 
 class DSparkDraftSource(BackboneDraftSource):
-    """DraftSource over a `DSparkDrafter`: one backbone forward, the Markov chain on device, one host sync.
+    """DraftSource over a `DSparkDrafter`: one backbone forward and the Markov chain queued on
+    the device; the target reads the tokens back with its verdict (a confidence threshold reads once more).
 
     Args:
         drafter: the loaded drafter.
@@ -277,10 +279,11 @@ class DSparkDraftSource(BackboneDraftSource):
         token_arr = mx.stack(tokens)
         q_arr = d.to_target_probs(mx.stack(qs)) if qs else None
         conf_arr = mx.stack(confs) if confs else None
-        mx.eval(token_arr, *(a for a in (q_arr, conf_arr) if a is not None), *self.cache.state())
-        out = tuple(token_arr.tolist())
-        block = DraftBlock(tokens=out, q=q_arr, source=self.name)
+        # Queued, not read: the verify reads the tokens back with its verdict. Only a confidence
+        # threshold waits here, since the block's width depends on it.
+        mx.async_eval(token_arr, *(a for a in (q_arr, conf_arr) if a is not None), *self.cache.state())
+        block = DraftBlock(pending=DeviceTokens(token_arr), q=q_arr, source=self.name)
         if conf_arr is not None:
-            self.last_confidences = conf_arr.tolist()
+            self.last_confidences = cast(list[float], conf_arr.tolist())
             block = block.truncated(confident_prefix_length(self.last_confidences, self.confidence_threshold))
         return block

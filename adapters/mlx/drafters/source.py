@@ -68,7 +68,7 @@ class BackboneDraftSource:
         self.ingest(ctx)
         n = max(0, min(cap, self.max_block))
         if n == 0:
-            mx.eval(self.cache.state())
+            mx.async_eval(self.cache.state())
         return n
 
     @property

@@ -35,6 +35,13 @@ def test_equals_mlx_sdpa(lq: int, lk: int, causal: bool) -> None:
     assert mx.max(mx.abs(got - want)).item() < TOL
 
 
+def test_tiles_spread_over_workers_fill_every_batch_row_and_head() -> None:
+    mx.random.seed(3)
+    q, k, v = mx.random.normal((2, 6, 150, 16)), mx.random.normal((2, 3, 400, 16)), mx.random.normal((2, 3, 400, 16))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert mx.max(mx.abs(cpu_kernels.attention(q, k, v, scale=0.25, causal=True) - want)).item() < TOL
+
+
 def test_a_causal_query_never_sees_later_keys() -> None:
     q, k, v = _qkv(8, 8, hq=2, hk=1)
     base = cpu_kernels.attention(q, k, v, scale=1.0, causal=True)
