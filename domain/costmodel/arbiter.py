@@ -1,0 +1,354 @@
+"""Which source runs the next round of an auto request: measured gain per round, pauses, re-probes.
+
+Every candidate (plain decoding included) is judged by what its rounds did on this prompt: tokens per
+round ÷ seconds per round. A source's *gain* is that rate over plain decoding's (tokens per plain step:
+1 ÷ the plain step's seconds), so plain's gain is 1 by definition and a gain below 1 loses. The rule:
+
+- The *home* candidate runs; after `judge_after` measured rounds it is compared with the others.
+- A paused candidate is re-probed for `probe_rounds` rounds once its backoff has run out (in rounds,
+  and in seconds: as many of its own rounds' seconds, so a slow candidate's probes stay a small share
+  of the request's time); a probe that
+  beats home by `margin` becomes home, one that does not is paused again with its backoff doubled
+  (quadrupled when it did less than half of home; up to `max_backoff`), so a loser costs at most a
+  few probes, spaced exponentially. `carried_delays` hands the grown backoffs to the next request.
+- Home moves at once (through a probe) when another candidate's last measurement beats it by `margin`,
+  and a home source whose cap policy pauses it (the calibrated cost model says it cannot win) leaves.
+- The first round of every stint is not measured: it pays the switch (a drafter catching up on the
+  rows it missed, a plain step that had nothing queued), which is not the candidate's steady cost.
+
+Candidates never measured on this prompt start paused with a backoff set by their prior (what earlier
+requests or the race measured): plain decoding, an unknown prior or one about as good as home's is
+probed right after home's first judgment, a worse one after `backoff` rounds (or after the delay an
+earlier request carried over). Pure bookkeeping over numbers: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+SPREAD_FLOOR = 0.25  # the least relative spread of per-round rates assumed (a round commits 1..k+1 tokens)
+
+
+@attrs.frozen(kw_only=True)
+class ArbiterConfig:
+    """Knobs of the source rule (rounds, not seconds: the rule never reads a clock).
+
+    Attributes:
+        judge_after: measured rounds of home before it is compared with the others.
+        probe_rounds: measured rounds a probe runs before it is judged; it goes on while the verdict is
+            within the noise (a near tie costs little), up to `max_probe_rounds`.
+        backoff: rounds before a paused candidate's first re-probe.
+        max_backoff: the longest wait between two probes of one candidate.
+        margin: a challenger must beat home's rate by this fraction (noise and switch costs).
+        alpha: weight of the newest round in home's running estimate.
+        z: standard errors a difference must exceed to count (per-round rates are noisy).
+    """
+
+    judge_after: int = 3
+    probe_rounds: int = 3
+    max_probe_rounds: int = 12
+    backoff: int = 16
+    max_backoff: int = 256
+    margin: float = 0.05
+    alpha: float = 0.25
+    z: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.judge_after < 1 or self.probe_rounds < 1 or self.backoff < 1 or self.max_backoff < self.backoff:
+            raise ValueError("judge_after, probe_rounds and backoff must be >= 1, max_backoff >= backoff")
+        if self.max_probe_rounds < self.probe_rounds:
+            raise ValueError("max_probe_rounds must be >= probe_rounds")
+        if not 0 < self.alpha <= 1 or self.margin < 0:
+            raise ValueError("need 0 < alpha <= 1 and margin >= 0")
+
+
+@attrs.define
+class Estimate:
+    """A candidate's measured rounds: exponentially weighted tokens and seconds per round (their ratio is
+    the rate) and the spread of per-round rates, for a standard error."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    mean_rate: float = 0.0
+    mean_square: float = 0.0
+    rounds: int = 0
+    weight: float = 0.0  # effective number of rounds behind the averages
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second, None before a measured round."""
+        if self.rounds == 0 or self.seconds <= 0:
+            return None
+        return self.tokens / self.seconds
+
+    @property
+    def stderr(self) -> float:
+        """Standard error of the rate (per-round rates vary: a round commits 1..k+1 tokens)."""
+        if self.rounds < 2:
+            return math.inf
+        var = max(0.0, self.mean_square - self.mean_rate**2) * self.rounds / (self.rounds - 1)
+        # A few equal rounds prove little: never assume less spread than SPREAD_FLOOR of the rate.
+        var = max(var, (SPREAD_FLOOR * self.mean_rate) ** 2)
+        return math.sqrt(var / max(min(self.weight, self.rounds), 1.0))
+
+    def add(self, tokens: int, seconds: float, alpha: float | None) -> None:
+        """Fold one round in: `alpha` None = a plain mean of every round, else an EWMA of that weight."""
+        r = tokens / seconds
+        w = 1.0 / (self.rounds + 1) if alpha is None or self.rounds == 0 else max(alpha, 1.0 / (self.rounds + 1))
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.mean_rate += w * (r - self.mean_rate)
+        self.mean_square += w * (r * r - self.mean_square)
+        self.rounds += 1
+        self.weight = self.rounds if alpha is None else min(self.rounds, (2 - alpha) / alpha)
+
+
+@attrs.frozen(kw_only=True)
+class Switch:
+    """The rule moved the request: from the next round on, `new` runs."""
+
+    old: str
+    new: str
+    reason: str
+
+
+@attrs.define
+class _Candidate:
+    prior: float  # tok/s from before this request (0 = unknown)
+    estimate: Estimate | None = None  # the latest stint's measurement
+    due: int = 0  # round index from which it may be probed
+    due_s: float = 0.0  # and the request's seconds from which (a slow probe waits longer)
+    backoff: int = 0
+
+
+class SourceArbiter:
+    """The per-request rule over named candidates; `plain` names plain decoding (the gain reference).
+
+    Args:
+        names: the candidates (at least one).
+        start: the candidate that runs first (home).
+        priors: tok/s per candidate known before this request (race or earlier requests); they order
+            the first probes and pick a fallback before anything is measured. Missing = unknown.
+        plain: the name of plain decoding, if it is a candidate.
+        delays: rounds before a candidate's first probe, carried from earlier requests (`carried_delays`);
+            a candidate missing here is placed by its prior.
+        config: the knobs.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        start: str,
+        priors: Mapping[str, float] | None = None,
+        plain: str | None = None,
+        delays: Mapping[str, int] | None = None,
+        config: ArbiterConfig = ArbiterConfig(),
+    ) -> None:
+        if start not in names:
+            raise ValueError(f"start {start!r} is not a candidate")
+        self.config = config
+        self.plain = plain if plain in names else None
+        priors = priors or {}
+        delays = delays or {}
+        self._c = {n: _Candidate(prior=max(0.0, float(priors.get(n, 0.0)))) for n in dict.fromkeys(names)}
+        home_prior = self._c[start].prior
+        for name, cand in self._c.items():
+            cand.backoff = config.backoff
+            if name in delays:
+                cand.due = max(0, int(delays[name]))
+                cand.backoff = max(config.backoff, min(cand.due, config.max_backoff))
+            else:
+                # An unknown prior, or one about as good as home's, is worth a look right after home's
+                # first judgment; a known worse one waits a backoff.
+                cand.due = config.backoff if 0 < cand.prior < home_prior * (1 - config.margin) else 0
+        if self.plain is not None:
+            self._c[self.plain].due = 0  # every gain is relative to it, and measuring it never loses to it
+        self.home = start
+        self.running = start
+        self._round = 0
+        self._time = 0.0
+        self._stint = 0  # rounds of `running` since it started (the first one is not measured)
+        self._stint_estimate = Estimate()
+        self.rounds: dict[str, int] = dict.fromkeys(self._c, 0)
+        self.switches = 0
+
+    # ---- reading
+
+    def rate(self, name: str) -> float | None:
+        """The latest measured tok/s of `name` on this prompt (None if never measured)."""
+        est = self._c[name].estimate
+        return est.rate if est is not None else None
+
+    def gain(self, name: str) -> float | None:
+        """Measured rate ÷ plain decoding's measured rate (None until both are measured)."""
+        if self.plain is None:
+            return None
+        mine, base = self.rate(name), self.rate(self.plain)
+        if mine is None or base is None or base <= 0:
+            return None
+        return mine / base
+
+    def measured(self) -> dict[str, float]:
+        """tok/s of every candidate measured on this prompt."""
+        return {n: r for n in self._c if (r := self.rate(n)) is not None}
+
+    def carried_delays(self) -> dict[str, int]:
+        """For the next request: the wait before a first probe of each candidate that lost here (its
+        current backoff); candidates that won or were never judged are left to their priors."""
+        return {
+            n: c.backoff
+            for n, c in self._c.items()
+            if n != self.home and c.backoff > self.config.backoff and n != self.plain
+        }
+
+    @property
+    def probing(self) -> bool:
+        """Whether the running candidate is on probation (home waits to take over again)."""
+        return self.running != self.home
+
+    # ---- the rule
+
+    def record(self, name: str, tokens: int, seconds: float) -> None:
+        """One round of `name` committed `tokens` (a stop token included) in `seconds`."""
+        self._round += 1
+        self._time += max(seconds, 0.0)
+        self.rounds[name] = self.rounds.get(name, 0) + 1
+        if name != self.running:  # the caller ran another candidate: follow it as home
+            self.home = name
+            self._start(name, fresh=False)
+        self._stint += 1
+        if self._stint > 1 and seconds > 0:
+            est = self._stint_estimate
+            # A probe is a plain mean of its few rounds; home is a running EWMA.
+            est.add(tokens, seconds, None if self.probing else self.config.alpha)
+            self._c[name].estimate = est
+
+    def decide(self, *, paused: bool = False) -> Switch | None:
+        """After `record`: what runs from the next round (None = the same).
+
+        Args:
+            paused: the running source's cap policy has just paused it (at the observed acceptance
+                and round times the calibrated cost model says it cannot beat plain decoding).
+        """
+        cfg = self.config
+        running = self.running
+        if paused and running != self.plain:
+            self._pause(running)
+            if self.probing:
+                return self._move(self.home, f"probe of {running} ended: its cap policy paused it")
+            nxt = self._best(exclude=running)
+            if nxt is None:
+                return None
+            self.home = nxt
+            return self._move(nxt, f"{running} paused by its cap policy: speculation cannot win here")
+        measured = self._stint_estimate.rounds
+        if self.probing:
+            if measured < cfg.probe_rounds:
+                return None
+            verdict = self._versus(running, self.home)
+            if verdict is None and measured < cfg.max_probe_rounds:
+                return None  # within the noise: measure on
+            if verdict is True or (verdict is None and self._ahead(running, self.home)):
+                # The probe keeps running: only home moves (no switch), the old home waits a backoff.
+                old = self.home
+                self._wait(old, self._c[old].backoff)
+                self._c[running].backoff = cfg.backoff
+                self.home = running
+                return None
+            mine, home = self.rate(running), self.rate(self.home)
+            # A probe that did less than half of home is unlikely to flip soon: wait four times longer.
+            badly = mine is not None and home is not None and mine < home * 0.5
+            self._pause(running, factor=4 if badly else 2)
+            return self._move(self.home, f"probe lost: {self._says(running, self.home)}")
+        if measured < cfg.judge_after:
+            return None
+        # Home fell behind a candidate measured earlier (point estimates: the probe then confirms it).
+        best = self._best(exclude=running, measured_only=True)
+        if best is not None and self._ahead(best, running):
+            return self._probe(best, f"measured faster earlier: {self._says(best, running)}")
+        due = [n for n, c in self._c.items() if n != running and c.due <= self._round and c.due_s <= self._time]
+        if due:
+            # Never-measured candidates first (plain decoding before them: it is the reference), then by
+            # what they are expected to do.
+            pick = max(due, key=lambda n: (self._c[n].estimate is None, n == self.plain, self._score(n)))
+            kind = "re-probe" if self._c[pick].estimate is not None else "first probe"
+            return self._probe(pick, f"{kind} of {pick} ({self._says(running, running)} runs)")
+        return None
+
+    # ---- internals
+
+    def _ahead(self, a: str, b: str) -> bool:
+        """Whether `a`'s rate beats `b`'s by the margin (point estimates)."""
+        ra, rb = self.rate(a), self.rate(b)
+        return ra is not None and (rb is None or ra > rb * (1 + self.config.margin))
+
+    def _versus(self, a: str, b: str) -> bool | None:
+        """True: `a` beats `b` by the margin beyond the noise; False: it clearly does not; None: unclear."""
+        ea, eb = self._c[a].estimate, self._c[b].estimate
+        ra = ea.rate if ea is not None else None
+        rb = eb.rate if eb is not None else None
+        if ra is None:
+            return False
+        if rb is None or eb is None or ea is None:
+            return True
+        bar = rb * (1 + self.config.margin)
+        spread = self.config.z * math.sqrt(ea.stderr**2 + (eb.stderr * (1 + self.config.margin)) ** 2)
+        if ra - bar > spread:
+            return True
+        if bar - ra > spread:
+            return False
+        return None
+
+    def _score(self, name: str) -> float:
+        rate = self.rate(name)
+        return rate if rate is not None else self._c[name].prior
+
+    def _best(self, exclude: str, *, measured_only: bool = False) -> str | None:
+        """The best other candidate by measurement, else prior; plain decoding wins ties."""
+        others = [n for n in self._c if n != exclude and (not measured_only or self.rate(n) is not None)]
+        if not others:
+            return None
+        return max(others, key=lambda n: (self._score(n), n == self.plain))
+
+    def _says(self, a: str, b: str) -> str:
+        def fmt(n: str) -> str:
+            r = self.rate(n)
+            return f"{n} {r:.1f} tok/s" if r is not None else f"{n} unmeasured"
+
+        return fmt(a) if a == b else f"{fmt(a)} vs {fmt(b)}"
+
+    def _wait(self, name: str, rounds: int) -> None:
+        """No probe of `name` for `rounds` rounds, nor before that many of its own rounds' seconds."""
+        cand = self._c[name]
+        cand.due = self._round + rounds
+        est = cand.estimate
+        per_round = est.seconds if est is not None and est.rounds else 0.0
+        cand.due_s = self._time + rounds * per_round
+
+    def _pause(self, name: str, factor: int = 2) -> None:
+        cand = self._c[name]
+        self._wait(name, cand.backoff)
+        cand.backoff = min(cand.backoff * factor, self.config.max_backoff)
+
+    def _start(self, name: str, *, fresh: bool) -> None:
+        self.running = name
+        self._stint = 0
+        kept = self._c[name].estimate
+        # Home continues its estimate; a probe measures afresh (its old number stands until then).
+        self._stint_estimate = attrs.evolve(kept) if (kept is not None and not fresh) else Estimate()
+
+    def _probe(self, name: str, reason: str) -> Switch:
+        old = self.running
+        self._start(name, fresh=True)
+        self.switches += 1
+        return Switch(old=old, new=name, reason=reason)
+
+    def _move(self, name: str, reason: str) -> Switch:
+        old = self.running
+        self._start(name, fresh=False)
+        self.switches += 1
+        return Switch(old=old, new=name, reason=reason)
