@@ -1,9 +1,10 @@
 """Use case: `--mode auto` picks the draft source for a (target, drafter) pair by measurement.
 
-A short race on built-in prompts decides at first use (stored with the calibration); online, the
-AutoSelector keeps per-source observed throughput and moves to another source when it is measurably
-faster: between requests, and within one when the running source loses on the user's own prompt.
-Every round is verified by the target, so any choice is lossless.
+A short race on built-in prompts gives the first estimates (stored with the calibration); online, the
+AutoSelector runs every request under a SourceArbiter (the domain's rule) that measures each candidate,
+plain decoding included, on the user's own prompt and moves the request to the best of them between
+rounds, re-probing paused ones with exponential backoff. Every round is verified by the target, so any
+choice is lossless.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from mlx_dspark.application.calibration import CalibrationPlan, Progress, curves
 from mlx_dspark.application.data import load_prompts
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel
+from mlx_dspark.domain.costmodel.arbiter import ArbiterConfig, SourceArbiter
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves
-from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap, MeasuredCap
+from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, MeasuredCap
 from mlx_dspark.domain.drafting.selection import FixedSelector, Selection, SourceSelector, SourceSwitcher
 from mlx_dspark.domain.events import Finished, SourceSwitched, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource
@@ -28,6 +30,8 @@ from mlx_dspark.domain.tokens import SamplingParams, StopRule
 
 CapPolicyFactory = Callable[[], CapPolicy]
 RACE_PROMPTS = ("chat-03", "code-02", "math-05")
+DEFAULT_RULE = ArbiterConfig()
+PROBE_CAP = 2  # drafts per round of a source whose cap policy has paused it but which auto probes
 
 
 def cap_policy_factory(max_draft: int | None, curves: CostCurves | None, max_block: int) -> CapPolicyFactory:
@@ -106,21 +110,27 @@ class _Candidate:
     source: DraftSource | None
     policy: CapPolicy | None  # kept across requests, so a MeasuredCap keeps what it learned
     rate: float  # EWMA of observed decode tokens/s, seeded from the race
+    race: float  # what the race measured (the fixed prior of seeded requests)
 
 
 class AutoSelector:
-    """`--mode auto` online: picks a candidate per request, and may hand over within a request.
+    """`--mode auto` online: adapts within each request on the user's own prompt.
 
-    Per candidate it keeps an estimate of decode throughput (seeded with the race, folded as an EWMA of
-    what each request observed) and one cap policy for the candidate's whole life, so a MeasuredCap keeps
-    what it learned (it also pauses a losing source by itself: a paused round is a plain one).
+    Every request gets a `SourceArbiter` (domain/costmodel/arbiter.py) over all candidates, plain
+    decoding included: it starts on the candidate with the best estimate, judges each by its measured
+    rounds on this prompt (tokens per round ÷ the round's seconds, against plain decoding's step),
+    pauses a loser and re-probes it with exponential backoff, so the request converges to the best of
+    {plain, each source}. The running source's cap policy (a MeasuredCap on the calibrated curves) may
+    pause it too: the request then leaves it at once. Between requests the selector keeps each
+    candidate's measured rate (an EWMA seeded with the race: the next request's priors), its cap
+    policy, and the backoff of a candidate that kept losing, so a loser is not re-probed at the start of
+    every request; the next request starts on the candidate that did best on the last one.
 
-    Between requests: the best estimate runs; a candidate not measured for `explore_every` requests runs
-    once so a stale estimate can recover. Within a request: once the running candidate has `min_rounds`
-    rounds on this prompt, if another candidate's estimate beats what it observes by `margin`, the
-    request moves there from the next round (plain decoding included); the loser's estimate becomes what
-    it observed on this prompt, so it is not chosen back on a stale number. Each switch is a
-    SourceSwitched event. The target verifies every round, so no switch changes the output.
+    Seeded sampling must repeat token for token, and the uniforms a round draws depend on which source
+    runs it, so a seeded request decides on modelled costs instead of wall time: the calibrated curves'
+    round seconds (a constant per round without curves), fresh cap policies fed those same seconds, and
+    the race as its fixed prior. Greedy and unseeded requests decide on wall time. The target verifies
+    every round, so no choice changes greedy output. Each move is a SourceSwitched event.
     """
 
     def __init__(
@@ -129,120 +139,187 @@ class AutoSelector:
         policies: Mapping[str, CapPolicyFactory],
         rates: Mapping[str, float],
         *,
-        explore_every: int = 8,
-        alpha: float = 0.3,
-        margin: float = 0.05,
-        min_rounds: int = 6,
+        curves: Mapping[str, CostCurves] | None = None,
+        config: ArbiterConfig = DEFAULT_RULE,
+        alpha: float = 0.5,
+        carry_max: int = 64,
         in_request: bool = True,
     ) -> None:
         if not candidates:
             raise ValueError("no candidates")
+        self._factories = dict(policies)
         self._candidates = {
             name: _Candidate(
-                source=src, policy=policies[name]() if src is not None else None, rate=float(rates.get(name, 0.0))
+                source=src,
+                policy=policies[name]() if src is not None else None,
+                rate=float(rates.get(name, 0.0)),
+                race=float(rates.get(name, 0.0)),
             )
             for name, src in candidates.items()
         }
-        self._explore_every = explore_every
+        self._curves = dict(curves or {})
+        self._config = config
         self._alpha = alpha
-        self._margin = margin
-        self._min_rounds = min_rounds
+        self._carry_max = carry_max
         self._in_request = in_request
-        self.current = max(self._candidates, key=lambda n: self._candidates[n].rate)
-        self._requests = 0
-        self._seen = dict.fromkeys(self._candidates, 0)  # request index of each candidate's last measurement
+        self._delays: dict[str, int] = {}
+        self._winner = self._best_by(lambda c: c.race)
+        self.current = self._winner
+        self._last = self.current  # the source the last request ended on
 
     @property
     def mode(self) -> str:
         return "auto"
 
+    @property
+    def plain(self) -> str | None:
+        """The name of plain decoding among the candidates (None if it is not one)."""
+        return next((n for n, c in self._candidates.items() if c.source is None), None)
+
     def rates(self) -> dict[str, float]:
         """Current throughput estimates per candidate."""
         return {name: c.rate for name, c in self._candidates.items()}
 
-    def _selection(self, name: str, switched: SourceSwitched | None, switcher: SourceSwitcher | None) -> Selection:
+    def _best_by(self, key: Callable[[_Candidate], float]) -> str:
+        # On a tie plain decoding wins: it needs no drafter.
+        return max(self._candidates, key=lambda n: (key(self._candidates[n]), self._candidates[n].source is None))
+
+    def _selection(
+        self, name: str, policy: CapPolicy | None, switched: SourceSwitched | None, switcher: SourceSwitcher | None
+    ) -> Selection:
         cand = self._candidates[name]
-        return Selection(name=name, source=cand.source, policy=cand.policy, switched=switched, switcher=switcher)
+        return Selection(name=name, source=cand.source, policy=policy, switched=switched, switcher=switcher)
 
-    def _fold(self, name: str, observed: float, alpha: float) -> None:
+    def _fold(self, name: str, observed: float) -> None:
         cand = self._candidates[name]
-        cand.rate = observed if cand.rate <= 0 else cand.rate + alpha * (observed - cand.rate)
+        cand.rate = observed if cand.rate <= 0 else cand.rate + self._alpha * (observed - cand.rate)
 
-    def _best_other(self, name: str) -> str | None:
-        others = [n for n in self._candidates if n != name]
-        return max(others, key=lambda n: self._candidates[n].rate) if others else None
-
-    def select(self, prompt: Sequence[int]) -> Selection:
-        self._requests += 1
-        self._seen[self.current] = self._requests - 1
-        cands = self._candidates
-        best = max(cands, key=lambda n: cands[n].rate)
-        chosen, why = self.current, ""
-        if best != self.current and cands[best].rate > cands[self.current].rate * (1 + self._margin):
-            chosen, why = best, "switch"
-        elif self._explore_every > 0:
-            # Re-measure the stalest other candidate once its estimate is `explore_every` requests old.
-            stale = [n for n in cands if n != self.current and self._requests - self._seen[n] > self._explore_every]
-            if stale:
-                chosen, why = min(stale, key=lambda n: self._seen[n]), "explore"
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        seeded = sampling is not None and not sampling.greedy and sampling.seed is not None
+        if seeded:
+            start = self._winner
+            priors = {n: c.race for n, c in self._candidates.items()}
+            delays: dict[str, int] = {}
+        else:
+            start = self.current
+            priors = {n: c.rate for n, c in self._candidates.items()}
+            delays = dict(self._delays)
         switched = None
-        if chosen != self.current:
+        if start != self._last:
             switched = SourceSwitched(
-                old=self.current,
-                new=chosen,
-                reason=f"{why}: estimated {cands[chosen].rate:.1f} vs {cands[self.current].rate:.1f} tok/s",
+                old=self._last,
+                new=start,
+                reason=f"between requests: {start} estimated at {priors[start]:.1f} tok/s",
             )
-            self.current = chosen
-        switcher = _RequestSwitcher(self, chosen) if self._in_request else None
-        return self._selection(chosen, switched, switcher)
+        self._last = start
+        if not self._in_request or len(self._candidates) < 2:
+            cand = self._candidates[start]
+            return self._selection(start, cand.policy, switched, None)
+        arbiter = SourceArbiter(
+            list(self._candidates), start=start, priors=priors, plain=self.plain, delays=delays, config=self._config
+        )
+        switcher = _RequestSwitcher(self, arbiter, seeded=seeded)
+        return switcher.selection(start, switched)
 
     def finished(self, selection: Selection, usage: Usage) -> None:
         if isinstance(selection.switcher, _RequestSwitcher):
             selection.switcher.close()
+            self._last = usage.source
         elif usage.decode_s > 0 and usage.generated_tokens > 1:
-            self._fold(selection.name, (usage.generated_tokens - 1) / usage.decode_s, self._alpha)
+            self._fold(selection.name, (usage.generated_tokens - 1) / usage.decode_s)
+
+
+def _modelled_seconds(curves: CostCurves | None) -> Callable[[int, int], float]:
+    if curves is None:
+        return lambda drafted, depth: 1.0
+    return curves.round_seconds
+
+
+class _AutoCap:
+    """A candidate's cap policy inside one auto request.
+
+    It drafts at least `floor` whenever its source runs (a paused MeasuredCap would otherwise run plain
+    rounds under the source's name, without plain decoding's pipelining: in auto a pause moves the
+    request instead), tells the switcher when the policy has just decided to pause, and in a seeded
+    request feeds the policy modelled round seconds so its decisions repeat.
+    """
+
+    def __init__(self, inner: CapPolicy, floor: int, seconds: Callable[[int, int], float] | None) -> None:
+        self.inner = inner
+        self._floor = floor
+        self._seconds = seconds
+        self.paused = False
+
+    def cap(self, depth: int) -> int:
+        cap = self.inner.cap(depth)
+        return cap if cap > 0 else self._floor
+
+    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
+        if self._seconds is not None:
+            seconds = self._seconds(drafted, depth)
+        decision = self.inner.observe(drafted, accepted, seconds, depth)
+        self.paused = decision is not None and decision.new == 0
+        return decision
 
 
 class _RequestSwitcher:
-    """One request's view of an AutoSelector: observed throughput of the running candidate on this prompt."""
+    """One request's SourceSwitcher: feeds each round to the arbiter and hands the request over."""
 
-    def __init__(self, owner: AutoSelector, name: str) -> None:
+    def __init__(self, owner: AutoSelector, arbiter: SourceArbiter, *, seeded: bool) -> None:
         self._owner = owner
-        self._name = name
-        self._tokens = 0
-        self._seconds = 0.0
-        self._rounds = 0
+        self.arbiter = arbiter
+        self._seeded = seeded
         self._closed = False
+        self._caps: dict[str, _AutoCap] = {}
 
-    def after_round(self, name: str, committed: int, seconds: float) -> Selection | None:
-        owner = self._owner
-        self._name = name
-        self._tokens += committed
-        self._seconds += seconds
-        self._rounds += 1
-        if self._rounds < owner._min_rounds or self._seconds <= 0:
+    def _cap(self, name: str) -> _AutoCap | None:
+        cand = self._owner._candidates[name]
+        if cand.source is None:
             return None
-        observed = self._tokens / self._seconds
-        best = owner._best_other(name)
-        if best is None or owner._candidates[best].rate <= observed * (1 + owner._margin):
+        if name not in self._caps:
+            # Seeded: a fresh policy per request (one carried over would have learned from other requests).
+            inner = self._owner._factories[name]() if self._seeded else cand.policy
+            if inner is None:
+                inner = FixedCap(cand.source.max_block)
+            model = _modelled_seconds(self._owner._curves.get(name)) if self._seeded else None
+            self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block), model)
+        return self._caps[name]
+
+    def selection(self, name: str, switched: SourceSwitched | None) -> Selection:
+        return self._owner._selection(name, self._cap(name), switched, self)
+
+    def after_round(
+        self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0
+    ) -> Selection | None:
+        if self._seeded:
+            plain = self._owner.plain
+            curves = self._owner._curves.get(name) or (self._owner._curves.get(plain) if plain else None)
+            seconds = _modelled_seconds(curves)(drafted, depth)
+        cap = self._caps.get(name)
+        paused = cap is not None and cap.paused
+        if cap is not None:
+            cap.paused = False
+        self.arbiter.record(name, committed, seconds)
+        move = self.arbiter.decide(paused=paused)
+        if move is None:
             return None
-        estimate = owner._candidates[best].rate
-        owner._fold(name, observed, 1.0)  # measured on this prompt: it replaces the estimate
-        owner.current = best
-        self._name, self._tokens, self._seconds, self._rounds = best, 0, 0.0, 0
-        reason = (
-            f"in request: {name} runs at {observed:.1f} tok/s on this prompt, "
-            f"{best} is estimated at {estimate:.1f}"
-        )
-        return owner._selection(best, SourceSwitched(old=name, new=best, reason=reason), self)
+        return self.selection(move.new, SourceSwitched(old=move.old, new=move.new, reason=move.reason))
 
     def close(self) -> None:
-        """Fold the last stretch of the request into its candidate's estimate (once)."""
+        """Carry what this request measured into the selector (once; not from a seeded request, whose
+        seconds are modelled)."""
         if self._closed:
             return
         self._closed = True
-        if self._rounds and self._seconds > 0 and self._tokens > 0:
-            self._owner._fold(self._name, self._tokens / self._seconds, self._owner._alpha)
+        owner = self._owner
+        if self._seeded:
+            return
+        measured = self.arbiter.measured()
+        for name, rate in measured.items():
+            owner._fold(name, rate)
+        if measured:  # the next request starts on what did best on this one
+            owner.current = max(measured, key=lambda n: (measured[n], owner._candidates[n].source is None))
+        owner._delays = {n: min(d, owner._carry_max) for n, d in self.arbiter.carried_delays().items()}
 
 
 @attrs.frozen(kw_only=True)
@@ -337,7 +414,7 @@ def measure_and_choose(
         store.save(key, Calibration(race=clean, chosen=winner, created=time.time()))
     selector: SourceSelector
     if online and len(cands) > 1:
-        selector = AutoSelector(cands, policies, rates)
+        selector = AutoSelector(cands, policies, rates, curves=curves)
     else:
         selector = FixedSelector(winner, cands[winner], policies[winner] if cands[winner] is not None else None)
     return AutoChoice(mode=winner, selector=selector, rates=rates, curves=curves, from_cache=from_cache)

@@ -215,12 +215,13 @@ def decode(
         finish = plan.finish
         if finish is None and halt is not None and halt():
             finish = FinishReason.STOP_SEQUENCE
-        if switcher is not None and finish is None:
-            # Wall time per round, the caller's share included: what the request really gets.
+        if switcher is not None:
+            # Wall time per round, the caller's share included: what the request really gets. The last
+            # round is reported too (what it measured outlives the request); a move after it is void.
             now = clock.now()
-            nxt = switcher.after_round(current.name, produced, now - round_start)
+            nxt = switcher.after_round(current.name, produced, now - round_start, drafted=len(block), depth=depth)
             round_start = now
-            if nxt is not None and nxt.name != current.name:
+            if finish is None and nxt is not None and nxt.name != current.name:
                 current, policy = nxt, _policy(nxt)
                 if current.source is not None and id(current.source) not in begun:
                     current.source.begin(prompt)

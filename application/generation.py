@@ -22,7 +22,7 @@ from mlx_dspark.domain.cache import common_prefix
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.events import Finished, PrefixReused, RoundFinished, TokensCommitted
+from mlx_dspark.domain.events import Finished, PrefixReused, RoundFinished, SourceSwitched, TokensCommitted
 from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel, TelemetrySink
 from mlx_dspark.domain.stops import StopStringMatcher
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
@@ -90,8 +90,10 @@ class GenerationResult:
     decode_s: float
     mode: str
     cap: int
-    source: str = PLAIN  # the draft source that ran (auto mode may switch between requests)
+    source: str = PLAIN  # the draft source that ran last (auto mode may switch, also within the request)
     cap_histogram: Mapping[int, int] = attrs.field(factory=dict)  # rounds per draft cap
+    source_switches: int = 0  # auto: moves from one source to another within this request
+    source_rounds: Mapping[str, int] = attrs.field(factory=dict)  # auto: rounds each source ran
 
 
 @attrs.frozen(kw_only=True)
@@ -186,7 +188,7 @@ class GenerationService:
         if not ids:
             raise InvalidRequest(message="the prompt encodes to no tokens", param="prompt")
         stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
-        selection = self.selector.select(ids)
+        selection = self.selector.select(ids, request.sampling)
         if selection.switched is not None:
             self._telemetry.emit(request.request_id, selection.switched)
         target = self.model.target
@@ -209,6 +211,9 @@ class GenerationService:
         tokens: list[int] = []
         text_parts: list[str] = []
         caps: Counter[int] = Counter()
+        running = selection.name  # auto may move the request between rounds (SourceSwitched)
+        source_rounds: Counter[str] = Counter()
+        switches = 0
         matched: str | None = None
         finished: Finished | None = None
         failed = False
@@ -254,6 +259,10 @@ class GenerationService:
                         yield TextChunk(text=text, token_ids=tuple(kept))
                 elif isinstance(event, RoundFinished):
                     caps[event.cap] += 1
+                    source_rounds[running] += 1
+                elif isinstance(event, SourceSwitched):
+                    running = event.new
+                    switches += 1
         except Exception:
             failed = True
             raise
@@ -276,6 +285,8 @@ class GenerationService:
             finished.usage,
             generated_tokens=len(tokens),
             cached_prompt_tokens=min(finished.usage.cached_prompt_tokens, len(ids)),
+            source_switches=switches,
+            source_rounds=dict(sorted(source_rounds.items())),
         )
         reason = FinishReason.STOP_SEQUENCE if matched is not None else finished.reason
         finished = Finished(reason=reason, usage=usage, stop_sequence=matched)
@@ -305,6 +316,8 @@ class GenerationService:
                 cap=max(caps, default=0),
                 source=usage.source,
                 cap_histogram=dict(sorted(caps.items())),
+                source_switches=switches,
+                source_rounds=usage.source_rounds,
             )
         )
 

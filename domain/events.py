@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from mlx_dspark.domain.tokens import FinishReason
@@ -91,6 +93,8 @@ class Usage:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     source: str = "baseline"  # the draft source that ran ("baseline" = plain decoding)
+    source_switches: int = 0  # in-request moves of auto mode from one source to another
+    source_rounds: Mapping[str, int] = attrs.field(factory=dict)  # rounds each source ran (auto)
 
     @property
     def decode_tokens_per_second(self) -> float:

@@ -3,7 +3,9 @@
 It forwards every event to an inner sink (the structlog lines), keeps a bounded ring of recent events
 for late subscribers, per-request summaries, and running totals for /metrics. Published kinds: request,
 cache (the prefix reused and where from), prefill (progress of a long prompt; `first_token` once the
-prompt is in), round, cap, batch (the scheduler's width, published when it changes) and finished.
+prompt is in), round, cap, switch (auto moved the request to another source), batch (the scheduler's
+width, published when it changes) and finished (with the source that ran last, the switches and the
+rounds per source).
 Thread-safe: the engine thread emits, HTTP handlers subscribe and read from the event loop.
 """
 
@@ -23,6 +25,7 @@ from mlx_dspark.domain.events import (
     PrefillProgress,
     PrefixReused,
     RoundFinished,
+    SourceSwitched,
     TelemetryEvent,
     TokensCommitted,
 )
@@ -206,6 +209,17 @@ class BroadcastTelemetrySink:
                     "reason": event.reason,
                 }
             )
+        elif isinstance(event, SourceSwitched):
+            self.totals["source_switches"] += 1
+            out.append(
+                {
+                    "type": "switch",
+                    "request_id": request_id,
+                    "old": event.old,
+                    "new": event.new,
+                    "reason": event.reason,
+                }
+            )
         elif isinstance(event, Finished):
             self._active.pop(request_id, None)
             out.append(self._finish(request_id, event, state.get("cache_source", "none")))
@@ -239,6 +253,9 @@ class BroadcastTelemetrySink:
             "prefill_s": u.prefill_s,
             "decode_s": u.decode_s,
             "tok_s": u.decode_tokens_per_second,
+            "source": u.source,
+            "source_switches": u.source_switches,
+            "source_rounds": dict(u.source_rounds),
         }
         self._summaries.append(summary)
         return summary

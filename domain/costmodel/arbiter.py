@@ -8,18 +8,21 @@ round ÷ seconds per round. A source's *gain* is that rate over plain decoding's
 - A paused candidate is re-probed for `probe_rounds` rounds once its backoff has run out (in rounds,
   and in seconds: as many of its own rounds' seconds, so a slow candidate's probes stay a small share
   of the request's time); a probe that
-  beats home by `margin` becomes home, one that does not is paused again with its backoff doubled
-  (quadrupled when it did less than half of home; up to `max_backoff`), so a loser costs at most a
+  beats home by `margin` becomes home (the old home is paused like a loser), one that does not is
+  paused again with its backoff doubled (quadrupled when it did less than half of home; up to
+  `max_backoff`), so a loser costs at most a
   few probes, spaced exponentially. `carried_delays` hands the grown backoffs to the next request.
 - Home moves at once (through a probe) when another candidate's last measurement beats it by `margin`,
-  and a home source whose cap policy pauses it (the calibrated cost model says it cannot win) leaves.
+  and a home source whose cap policy pauses it (the calibrated cost model says it cannot win) leaves;
+  a probe ignores that pause and is judged by what it measures.
 - The first round of every stint is not measured: it pays the switch (a drafter catching up on the
   rows it missed, a plain step that had nothing queued), which is not the candidate's steady cost.
 
 Candidates never measured on this prompt start paused with a backoff set by their prior (what earlier
-requests or the race measured): plain decoding, an unknown prior or one about as good as home's is
-probed right after home's first judgment, a worse one after `backoff` rounds (or after the delay an
-earlier request carried over). Pure bookkeeping over numbers: no clock, no I/O.
+requests or the race measured): plain decoding, an unknown prior or one at least about as good as
+plain's is probed right after home's first judgment, a worse one after `backoff` rounds (or after the
+delay an earlier request carried over), or as soon as home measures below that prior. Pure bookkeeping
+over numbers: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -119,8 +122,10 @@ class Switch:
 class _Candidate:
     prior: float  # tok/s from before this request (0 = unknown)
     estimate: Estimate | None = None  # the latest stint's measurement
+    seen: Estimate | None = None  # every round of this request, first rounds of stints included
     due: int = 0  # round index from which it may be probed
     due_s: float = 0.0  # and the request's seconds from which (a slow probe waits longer)
+    held: int = 0  # its cap policy paused it: not even a better old measurement brings it back before this
     backoff: int = 0
 
 
@@ -155,16 +160,18 @@ class SourceArbiter:
         priors = priors or {}
         delays = delays or {}
         self._c = {n: _Candidate(prior=max(0.0, float(priors.get(n, 0.0)))) for n in dict.fromkeys(names)}
-        home_prior = self._c[start].prior
+        # Priors are judged against plain decoding's (the reference), else against the first home's.
+        ref = self._c[self.plain].prior if self.plain is not None and self._c[self.plain].prior > 0 else 0.0
+        ref = ref or self._c[start].prior
         for name, cand in self._c.items():
             cand.backoff = config.backoff
             if name in delays:
                 cand.due = max(0, int(delays[name]))
                 cand.backoff = max(config.backoff, min(cand.due, config.max_backoff))
             else:
-                # An unknown prior, or one about as good as home's, is worth a look right after home's
+                # An unknown prior, or one about as good as plain's, is worth a look right after home's
                 # first judgment; a known worse one waits a backoff.
-                cand.due = config.backoff if 0 < cand.prior < home_prior * (1 - config.margin) else 0
+                cand.due = config.backoff if 0 < cand.prior < ref * (1 - config.margin) else 0
         if self.plain is not None:
             self._c[self.plain].due = 0  # every gain is relative to it, and measuring it never loses to it
         self.home = start
@@ -193,8 +200,16 @@ class SourceArbiter:
         return mine / base
 
     def measured(self) -> dict[str, float]:
-        """tok/s of every candidate measured on this prompt."""
-        return {n: r for n in self._c if (r := self.rate(n)) is not None}
+        """tok/s of every candidate that ran on this prompt, over all its rounds (a probe cut short by
+        the end of the request included): what the next request's priors learn from."""
+        out = {}
+        for name, cand in self._c.items():
+            rate = self.rate(name)
+            if rate is None and cand.seen is not None:
+                rate = cand.seen.rate
+            if rate is not None:
+                out[name] = rate
+        return out
 
     def carried_delays(self) -> dict[str, int]:
         """For the next request: the wait before a first probe of each candidate that lost here (its
@@ -221,6 +236,10 @@ class SourceArbiter:
             self.home = name
             self._start(name, fresh=False)
         self._stint += 1
+        if seconds > 0:
+            cand = self._c[name]
+            cand.seen = cand.seen or Estimate()
+            cand.seen.add(tokens, seconds, None)
         if self._stint > 1 and seconds > 0:
             est = self._stint_estimate
             # A probe is a plain mean of its few rounds; home is a running EWMA.
@@ -232,14 +251,14 @@ class SourceArbiter:
 
         Args:
             paused: the running source's cap policy has just paused it (at the observed acceptance
-                and round times the calibrated cost model says it cannot beat plain decoding).
+                and round times the calibrated cost model says it cannot beat plain decoding). Home
+                leaves at once; a probe is judged by its measurement alone (measured beats modelled).
         """
         cfg = self.config
         running = self.running
-        if paused and running != self.plain:
+        if paused and running != self.plain and not self.probing:
             self._pause(running)
-            if self.probing:
-                return self._move(self.home, f"probe of {running} ended: its cap policy paused it")
+            self._c[running].held = self._c[running].due
             nxt = self._best(exclude=running)
             if nxt is None:
                 return None
@@ -255,22 +274,29 @@ class SourceArbiter:
             if verdict is True or (verdict is None and self._ahead(running, self.home)):
                 # The probe keeps running: only home moves (no switch), the old home waits a backoff.
                 old = self.home
-                self._wait(old, self._c[old].backoff)
+                self._pause(old, factor=self._factor(old, running))
                 self._c[running].backoff = cfg.backoff
                 self.home = running
                 return None
-            mine, home = self.rate(running), self.rate(self.home)
-            # A probe that did less than half of home is unlikely to flip soon: wait four times longer.
-            badly = mine is not None and home is not None and mine < home * 0.5
-            self._pause(running, factor=4 if badly else 2)
+            self._pause(running, factor=self._factor(running, self.home))
             return self._move(self.home, f"probe lost: {self._says(running, self.home)}")
         if measured < cfg.judge_after:
             return None
         # Home fell behind a candidate measured earlier (point estimates: the probe then confirms it).
-        best = self._best(exclude=running, measured_only=True)
+        best = self._best(exclude=running, measured_only=True, unheld=True)
         if best is not None and self._ahead(best, running):
             return self._probe(best, f"measured faster earlier: {self._says(best, running)}")
-        due = [n for n, c in self._c.items() if n != running and c.due <= self._round and c.due_s <= self._time]
+        here = self.rate(running) or 0.0
+        due = [
+            n
+            for n, c in self._c.items()
+            if n != running
+            and (
+                (c.due <= self._round and c.due_s <= self._time)
+                # never measured here, and its prior beats what home measures on this prompt
+                or (c.estimate is None and c.prior > here * (1 + cfg.margin) and c.held <= self._round)
+            )
+        ]
         if due:
             # Never-measured candidates first (plain decoding before them: it is the reference), then by
             # what they are expected to do.
@@ -307,9 +333,15 @@ class SourceArbiter:
         rate = self.rate(name)
         return rate if rate is not None else self._c[name].prior
 
-    def _best(self, exclude: str, *, measured_only: bool = False) -> str | None:
+    def _best(self, exclude: str, *, measured_only: bool = False, unheld: bool = False) -> str | None:
         """The best other candidate by measurement, else prior; plain decoding wins ties."""
-        others = [n for n in self._c if n != exclude and (not measured_only or self.rate(n) is not None)]
+        others = [
+            n
+            for n in self._c
+            if n != exclude
+            and (not measured_only or self.rate(n) is not None)
+            and (not unheld or self._c[n].held <= self._round)
+        ]
         if not others:
             return None
         return max(others, key=lambda n: (self._score(n), n == self.plain))
@@ -320,6 +352,11 @@ class SourceArbiter:
             return f"{n} {r:.1f} tok/s" if r is not None else f"{n} unmeasured"
 
         return fmt(a) if a == b else f"{fmt(a)} vs {fmt(b)}"
+
+    def _factor(self, loser: str, winner: str) -> int:
+        """Backoff growth: a loser that did less than half of the winner is unlikely to flip soon."""
+        lost, won = self.rate(loser), self.rate(winner)
+        return 4 if lost is not None and won is not None and lost < won * 0.5 else 2
 
     def _wait(self, name: str, rounds: int) -> None:
         """No probe of `name` for `rounds` rounds, nor before that many of its own rounds' seconds."""

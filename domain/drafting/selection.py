@@ -16,6 +16,7 @@ import attrs
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
 from mlx_dspark.domain.events import SourceSwitched, Usage
 from mlx_dspark.domain.ports import DraftSource
+from mlx_dspark.domain.tokens import SamplingParams
 
 PLAIN = "baseline"  # the name of plain decoding (no draft source)
 
@@ -23,8 +24,11 @@ PLAIN = "baseline"  # the name of plain decoding (no draft source)
 class SourceSwitcher(Protocol):
     """Asked by the decode loop after every round of a request (auto mode)."""
 
-    def after_round(self, name: str, committed: int, seconds: float) -> Selection | None:
-        """The round of source `name` committed `committed` tokens in `seconds` (wall time per round).
+    def after_round(
+        self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0
+    ) -> Selection | None:
+        """The round of source `name` committed `committed` tokens in `seconds` (wall time per round),
+        after drafting `drafted` tokens at context depth `depth`.
 
         Returns:
             The selection to run from the next round on (its `switched` is yielded), or None to stay.
@@ -59,7 +63,9 @@ class SourceSelector(Protocol):
         """The mode this selector implements ("auto", or the fixed mode's name)."""
         ...
 
-    def select(self, prompt: Sequence[int]) -> Selection: ...
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        """This request's source (`sampling`: the request's, e.g. a seed asks for a schedule that repeats)."""
+        ...
 
     def finished(self, selection: Selection, usage: Usage) -> None:
         """The request run with `selection` ended with `usage`."""
@@ -78,7 +84,7 @@ class FixedSelector:
     def mode(self) -> str:
         return self.name
 
-    def select(self, prompt: Sequence[int]) -> Selection:
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
         policy = self.policy_factory() if (self.policy_factory is not None and self.source is not None) else None
         return Selection(name=self.name, source=self.source, policy=policy)
 

@@ -68,6 +68,8 @@ class RequestLog:
                 ttft_ms=round(r.time_to_first_token_s * 1e3, 2),
                 decode_tok_s=round(r.tokens_per_second, 2),
                 cap_histogram={str(cap): n for cap, n in sorted(r.cap_histogram.items())},
+                source_switches=r.source_switches,
+                source_rounds=dict(r.source_rounds),
             )
         elif isinstance(item, TurnFinished):
             u = item.usage

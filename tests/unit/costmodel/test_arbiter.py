@@ -27,7 +27,13 @@ def steady(tokens: float, seconds: float) -> Callable[[int], tuple[float, float]
 
 
 def simulate(
-    arb: SourceArbiter, world: World, rounds: int, *, noise: float = 0.0, seed: int = 0, paused: str | None = None
+    arb: SourceArbiter,
+    world: World,
+    rounds: int,
+    *,
+    noise: float = 0.0,
+    seed: int = 0,
+    paused: Callable[[int, str], bool] = lambda i, name: False,
 ) -> tuple[list[str], list[Switch]]:
     """Run `rounds` rounds: the running candidate's round yields its (integer) tokens and seconds."""
     rng = random.Random(seed)
@@ -40,7 +46,7 @@ def simulate(
         whole = math.floor(mean_tokens) + (1 if rng.random() < mean_tokens - math.floor(mean_tokens) else 0)
         arb.record(name, max(1, whole), seconds * (1 + noise * (2 * rng.random() - 1)))
         ran.append(name)
-        sw = arb.decide(paused=name == paused)
+        sw = arb.decide(paused=paused(i, name))
         if sw is not None:
             assert sw.old == name and sw.new == arb.running != name
             switches.append(sw)
@@ -57,7 +63,7 @@ def test_a_losing_source_falls_back_to_plain_within_a_few_rounds() -> None:
     # Later re-probes are spaced exponentially: 16, 32, 64, ... rounds of plain between them.
     assert ran.count("wrong") <= first + 6 * (CFG.probe_rounds + 1)
     gaps = _gaps(ran, "wrong")
-    assert gaps[1:] == sorted(gaps[1:]) and gaps[-1] >= 3 * gaps[1]
+    assert gaps == sorted(gaps) and len(gaps) >= 2 and gaps[-1] >= 1.8 * gaps[-2]
     assert arb.gain("wrong") is not None and arb.gain("wrong") < 1  # type: ignore[operator]
 
 
@@ -108,16 +114,20 @@ def test_mid_request_change_is_followed_both_ways() -> None:
     assert back - 250 <= 2 * 64 and ran[-40:].count("lookup") >= 36
 
 
-def test_a_cap_policy_pause_moves_the_request_and_backs_off() -> None:
+def test_a_cap_policy_pause_moves_home_at_once_and_a_probe_is_judged_by_measurement() -> None:
     arb = SourceArbiter(["dspark", PLAIN], start="dspark", plain=PLAIN)
-    # Measured fine, but its cap policy says pause every time it runs: it leaves at once, each time.
-    ran, switches = simulate(arb, {"dspark": steady(1.5, 0.06), PLAIN: steady(1, 0.05)}, 300, paused="dspark")
-    assert ran[0] == "dspark" and ran[1] == PLAIN and arb.home == PLAIN
-    stints = [i for i in range(1, len(ran)) if ran[i] == "dspark" and ran[i - 1] != "dspark"]
-    assert all(ran[i + 1] == PLAIN for i in stints if i + 1 < len(ran))  # one round per re-probe
-    gaps = [b - a for a, b in itertools.pairwise(stints)]
-    assert gaps == sorted(gaps) and len(stints) <= 8
-    assert all("paused" in s.reason for s in switches if s.old == "dspark")
+    # Its calibrated cost model pauses it on its first round; on this prompt it really is faster.
+    ran, switches = simulate(
+        arb, {"dspark": steady(1.5, 0.05), PLAIN: steady(1, 0.05)}, 120, paused=lambda i, n: n == "dspark" and i == 0
+    )
+    assert ran[:2] == ["dspark", PLAIN] and "paused by its cap policy" in switches[0].reason
+    assert arb.home == "dspark" and ran[-60:].count("dspark") >= 50
+    # A policy that keeps saying pause: home leaves every time; probes still run their measured rounds.
+    arb = SourceArbiter(["dspark", PLAIN], start="dspark", plain=PLAIN)
+    ran, switches = simulate(arb, {"dspark": steady(1.5, 0.05), PLAIN: steady(1, 0.05)}, 300, paused=lambda i, n: True)
+    stints = _stints(ran, "dspark")
+    assert stints[0] == 1 and all(s <= 1 + CFG.max_probe_rounds + 1 for s in stints)
+    assert ran.count(PLAIN) > ran.count("dspark")
 
 
 def test_plain_is_measured_early_so_gains_are_known() -> None:

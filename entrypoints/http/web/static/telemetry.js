@@ -92,11 +92,14 @@
       log(`batch of ${ev.width}: ${ev.speculate ? `speculating, cap ${ev.cap}` : "plain batched steps"} (${ev.reason}; expected ${ev.speculative_tok_s.toFixed(1)} vs ${ev.plain_tok_s.toFixed(1)} tok/s plain)`);
     } else if (ev.type === "cap") {
       log(`cap ${ev.old} → ${ev.new} (${ev.reason})`);
+    } else if (ev.type === "switch") {
+      log(`request ${ev.request_id}: source ${ev.old} → ${ev.new} (${ev.reason})`);
     } else if (ev.type === "finished") {
       requests[ev.request_id] = ev; reqOrder.push(ev.request_id);
       if (prompts[ev.request_id]) prompts[ev.request_id].done = prompts[ev.request_id].total;
       $("k-requests").textContent = (+$("k-requests").textContent || 0) + 1;
-      log(`request ${ev.request_id}: prefill ${(ev.prefill_s * 1000).toFixed(1)} ms, ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens`);
+      log(`request ${ev.request_id}: prefill ${(ev.prefill_s * 1000).toFixed(1)} ms, ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens` +
+        (ev.source_switches ? `, ${ev.source_switches} source switches (${Object.entries(ev.source_rounds || {}).map(([k, v]) => `${k} ${v}`).join(" · ")} rounds)` : ""));
     }
     schedule();
   }
