@@ -29,8 +29,9 @@ from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
-BENCH_SCHEMA = "mlx-dspark/bench/3"  # 3: prefill tok/s, the reference's row and ratios, prefill lengths
+BENCH_SCHEMA = "mlx-dspark/bench/4"  # 4: auto per class vs plain and the best fixed mode, source switches
 BASELINE = PLAIN
+AUTO = "auto"
 
 
 class BenchRunner(Protocol):
@@ -61,6 +62,8 @@ class BenchRun:
     source: str = BASELINE  # the source that ran at the end of the request (auto may switch)
     prompt_tokens: int = 0
     prefill_tok_s: float = 0.0  # prompt tokens prefilled (none cached) ÷ time to the first token
+    source_switches: int = 0  # auto: in-request moves between sources
+    source_rounds: Mapping[str, int] = attrs.field(factory=dict)  # auto: rounds each source ran
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +105,32 @@ class ModeSummary:
 
 
 @attrs.frozen(kw_only=True)
+class AutoVerdict:
+    """Auto against plain decoding and against the best fixed mode on one prompt class (issue 11's
+    protocol: per class, auto's median decode tok/s ÷ plain's and ÷ the best fixed mode's, same run).
+
+    Attributes:
+        cls: the prompt class.
+        auto_tok_s, plain_tok_s: median decode tok/s on the class.
+        best_mode: the fixed mode (plain decoding included) with the highest median on the class.
+        best_tok_s: its median.
+        vs_plain, vs_best: auto's median ÷ plain's, ÷ the best fixed mode's.
+        switches: median in-request source switches of auto's runs on the class.
+        rounds: auto's rounds on the class per source, summed.
+    """
+
+    cls: str
+    auto_tok_s: float
+    plain_tok_s: float
+    best_mode: str
+    best_tok_s: float
+    vs_plain: float | None
+    vs_best: float | None
+    switches: float
+    rounds: Mapping[str, int]
+
+
+@attrs.frozen(kw_only=True)
 class PrefillPoint:
     """Prefill alone at one prompt length (synthetic ids, cold cache, prefix cache off).
 
@@ -139,6 +168,7 @@ class BenchReport:
     environment: Mapping[str, Any] = attrs.field(factory=dict)
     reference: str | None = None  # the reference decoder's name; its runs are the mode of that name
     prefill: tuple[PrefillPoint, ...] = ()
+    auto: tuple[AutoVerdict, ...] = ()  # per class, when auto ran beside plain decoding
 
 
 def _median(values: Sequence[float]) -> float:
@@ -239,6 +269,8 @@ def run_bench(
                         source=r.source,
                         prompt_tokens=r.prompt_tokens,
                         prefill_tok_s=_prefill_rate(r.prompt_tokens, r.cached_prompt_tokens, r.prefill_s),
+                        source_switches=r.source_switches,
+                        source_rounds=dict(r.source_rounds),
                     )
                 )
                 tick(f"{mode} {p.id} trial {trial + 1}/{trials}")
@@ -247,6 +279,7 @@ def run_bench(
                     tick(f"{reference.name} {p.id} trial {trial + 1}/{trials}")
     model = next(iter(runners.values())).model if runners else None
     modes = [*order[:1], *([reference.name] if reference is not None and order else []), *order[1:]]
+    fixed = [m for m in order if m != AUTO]
     return BenchReport(
         model=model.name if model else "",
         model_identity=model.identity if model else "",
@@ -261,7 +294,39 @@ def run_bench(
         curves=dict(curves or {}),
         environment=dict(environment or {}),
         reference=reference.name if reference is not None else None,
+        auto=auto_verdicts(runs, fixed),
     )
+
+
+def auto_verdicts(runs: Sequence[BenchRun], fixed: Sequence[str]) -> tuple[AutoVerdict, ...]:
+    """Per class: auto's median decode tok/s against plain decoding's and the best fixed mode's (among
+    `fixed`, plain included), all from the same run; empty unless auto and plain decoding both ran."""
+    auto = [r for r in runs if r.mode == AUTO]
+    if not auto or not any(r.mode == BASELINE for r in runs):
+        return ()
+    out = []
+    for cls in sorted({r.cls for r in auto}):
+        med = {m: _median([r.decode_tok_s for r in runs if r.mode == m and r.cls == cls]) for m in fixed}
+        mine = _median([r.decode_tok_s for r in auto if r.cls == cls])
+        best = max(med, key=lambda m: (med[m], m == BASELINE))
+        rounds: Counter[str] = Counter()
+        for r in auto:
+            if r.cls == cls:
+                rounds.update(r.source_rounds)
+        out.append(
+            AutoVerdict(
+                cls=cls,
+                auto_tok_s=mine,
+                plain_tok_s=med[BASELINE],
+                best_mode=best,
+                best_tok_s=med[best],
+                vs_plain=mine / med[BASELINE] if med[BASELINE] > 0 else None,
+                vs_best=mine / med[best] if med[best] > 0 else None,
+                switches=_median([float(r.source_switches) for r in auto if r.cls == cls]),
+                rounds=dict(sorted(rounds.items())),
+            )
+        )
+    return tuple(out)
 
 
 def _reference_run(
@@ -528,6 +593,20 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
             for m in report.modes
         ],
         "curves": {name: curves_json(c) for name, c in report.curves.items()},
+        "auto_per_class": [
+            {
+                "class": v.cls,
+                "auto_decode_tok_s": v.auto_tok_s,
+                "plain_decode_tok_s": v.plain_tok_s,
+                "best_fixed_mode": v.best_mode,
+                "best_fixed_decode_tok_s": v.best_tok_s,
+                "auto_vs_plain": v.vs_plain,
+                "auto_vs_best_fixed": v.vs_best,
+                "median_source_switches": v.switches,
+                "rounds_per_source": dict(v.rounds),
+            }
+            for v in report.auto
+        ],
     }
     if include_runs:
         doc["runs"] = [
@@ -544,6 +623,8 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
                 "source": r.source,
                 "prompt_tokens": r.prompt_tokens,
                 "prefill_tok_s": r.prefill_tok_s,
+                "source_switches": r.source_switches,
+                "source_rounds": dict(r.source_rounds),
             }
             for r in report.runs
         ]

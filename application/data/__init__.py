@@ -1,4 +1,5 @@
-"""The built-in, versioned bench prompt set (bench_prompts.jsonl) and loading of user prompt files."""
+"""The built-in, versioned bench prompt set (bench_prompts.jsonl), the drafters' held-out prompts
+(train_heldout.jsonl) and loading of user prompt files."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import attrs
 from mlx_dspark.domain.errors import InvalidRequest
 
 PROMPT_CLASSES = ("chat", "code", "math")
+HELDOUT = "heldout"
 
 
 @attrs.frozen(kw_only=True)
@@ -42,6 +44,26 @@ def builtin_prompts() -> PromptSet:
     """The built-in set shipped as package data."""
     text = resources.files(__package__).joinpath("bench_prompts.jsonl").read_text(encoding="utf-8")
     return _parse(text, "builtin")
+
+
+def heldout_prompts() -> PromptSet:
+    """The drafters' held-out evaluation prompts (train_heldout.jsonl, 10 per class; no training set
+    holds them), for the bench's auto protocol."""
+    text = resources.files(__package__).joinpath("train_heldout.jsonl").read_text(encoding="utf-8")
+    return _parse(text, HELDOUT)
+
+
+def per_class(prompts: PromptSet, n: int) -> PromptSet:
+    """The first `n` prompts of each class, in order."""
+    if n < 1:
+        raise InvalidRequest(message=f"--per-class must be >= 1, got {n}", param="per_class")
+    seen: dict[str, int] = {}
+    kept = []
+    for p in prompts.prompts:
+        seen[p.cls] = seen.get(p.cls, 0) + 1
+        if seen[p.cls] <= n:
+            kept.append(p)
+    return attrs.evolve(prompts, prompts=tuple(kept))
 
 
 def _parse(text: str, origin: str) -> PromptSet:
@@ -84,6 +106,15 @@ def load_prompts(spec: str | Sequence[str]) -> PromptSet:
         InvalidRequest: an unknown class, or a file with no prompts.
     """
     parts = [p.strip() for p in (spec.split(",") if isinstance(spec, str) else spec) if p.strip()]
+    if parts and parts[0].split(":", 1)[0] == HELDOUT:
+        # "heldout" or "heldout:chat,code": the drafters' held-out evaluation prompts (never trained on).
+        first = parts[0].split(":", 1)
+        wanted = [*([first[1]] if len(first) > 1 and first[1] else []), *parts[1:]] or list(PROMPT_CLASSES)
+        bad = [c for c in wanted if c not in PROMPT_CLASSES]
+        if bad:
+            raise InvalidRequest(message=f"unknown prompt class(es) {bad} in {spec!r}", param="prompts")
+        base = heldout_prompts()
+        return attrs.evolve(base, prompts=tuple(p for p in base.prompts if p.cls in wanted))
     if parts and all(p in PROMPT_CLASSES for p in parts):
         base = builtin_prompts()
         chosen = tuple(p for p in base.prompts if p.cls in parts)
@@ -103,7 +134,8 @@ def load_prompts(spec: str | Sequence[str]) -> PromptSet:
                 raise
             return PromptSet(name=path.name, version="unversioned", prompts=lines)
     raise InvalidRequest(
-        message=f"--prompts takes classes from {', '.join(PROMPT_CLASSES)} or a file; got {spec!r}", param="prompts"
+        message=f"--prompts takes classes from {', '.join(PROMPT_CLASSES)}, heldout[:classes] or a file; got {spec!r}",
+        param="prompts",
     )
 
 

@@ -26,7 +26,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated, any of baseline,lookup,dflash,dspark,auto (default: baseline, available drafters, auto)",
     )
-    p.add_argument("--prompts", default="chat,code,math", help="classes of the built-in set, or a JSONL/text file")
+    p.add_argument(
+        "--prompts",
+        default="chat,code,math",
+        help="classes of the built-in set, heldout[:classes] (the drafters' held-out prompts), or a JSONL/text file",
+    )
+    p.add_argument("--per-class", type=int, default=None, metavar="N", help="only the first N prompts of each class")
     p.add_argument("--trials", type=int, default=3, help="runs per prompt per mode (medians over all)")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (enables the lossless check)")
@@ -146,11 +151,13 @@ def main(argv: Sequence[str]) -> int:
             return _prefill(args, bar)
         from mlx_dspark.application import bootstrap
         from mlx_dspark.application.bench import report_json, run_bench, runner_curves
-        from mlx_dspark.application.data import load_prompts
+        from mlx_dspark.application.data import load_prompts, per_class
         from mlx_dspark.application.modes import bench_runners
         from mlx_dspark.entrypoints.cli.bench_render import PlotUnavailable, plot_report, render_table
 
         prompts = load_prompts(args.prompts)
+        if args.per_class is not None:
+            prompts = per_class(prompts, args.per_class)
         settings, services, model = start_with_model(args, bar.note)
         requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
         runners = bench_runners(services, settings, model, requested, bar.note, bar.update)

@@ -64,6 +64,28 @@ def render_table(report: BenchReport) -> str:
     )
     if ref:
         title += f"; {ref} ran right after baseline on each prompt, ratios are paired per prompt (ours / {ref})"
+    return title + "\n" + "\n".join(_grid(rows)) + "\n" + render_auto(report)
+
+
+def render_auto(report: BenchReport) -> str:
+    """Auto per class: its median decode tok/s against plain decoding's and the best fixed mode's."""
+    if not report.auto:
+        return ""
+    rows = [("class", "auto tok/s", "plain tok/s", "best fixed", "auto/plain", "auto/best", "switches", "auto rounds")]
+    for v in report.auto:
+        rows.append(
+            (
+                v.cls,
+                f"{v.auto_tok_s:.2f}",
+                f"{v.plain_tok_s:.2f}",
+                f"{v.best_mode} {v.best_tok_s:.2f}",
+                _times(v.vs_plain),
+                _times(v.vs_best),
+                f"{v.switches:g}",
+                ", ".join(f"{k} {n}" for k, n in v.rounds.items()),
+            )
+        )
+    title = "auto per class (medians, same run; switches = median in-request source switches)"
     return title + "\n" + "\n".join(_grid(rows)) + "\n"
 
 

@@ -14,11 +14,12 @@ import pytest
 
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
 from mlx_dspark.application.bench import BENCH_SCHEMA, prefill_json, report_json, run_bench, run_prefill_bench
-from mlx_dspark.application.data import builtin_prompts, load_prompts
+from mlx_dspark.application.data import builtin_prompts, load_prompts, per_class
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.application.ports import LoadedModel, ReferenceRun
 from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.ports import Clock
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
@@ -192,6 +193,17 @@ def test_bench_runs_auto_beside_fixed_modes_per_class() -> None:
     assert {r["source"] for r in doc["runs"] if r["mode"] == "auto"} == {"dspark"}
     table = render_table(report)
     assert "chat" in table.splitlines()[1] and "code" in table.splitlines()[1]
+    # Issue 11's protocol: per class, auto's median against plain's and the best fixed mode's.
+    verdicts = {v.cls: v for v in report.auto}
+    assert set(verdicts) == {"chat", "code"}
+    for cls, v in verdicts.items():
+        assert v.best_mode == max(("baseline", "dspark"), key=lambda m: by[m].per_class[cls])
+        assert v.vs_plain == pytest.approx(by["auto"].per_class[cls] / by["baseline"].per_class[cls])
+        assert v.vs_best == pytest.approx(by["auto"].per_class[cls] / by[v.best_mode].per_class[cls])
+        assert sum(v.rounds.values()) > 0
+    rows = {r["class"]: r for r in doc["auto_per_class"]}
+    assert rows["code"]["auto_vs_best_fixed"] == pytest.approx(verdicts["code"].vs_best)
+    assert "auto per class" in table and "auto/best" in table
 
 
 class ChargedReference:
@@ -300,3 +312,15 @@ def test_prefill_alone_at_each_length_against_the_reference() -> None:
     assert doc["reference"] == "ref" and [q["tokens"] for q in doc["points"]] == [8, 40, 4095]
     alone = run_prefill_bench(gens["baseline"], [16], trials=1)
     assert alone[0].reference_tok_s is None and alone[0].ratio is None and alone[0].ours_tok_s > 0
+
+
+def test_heldout_prompts_and_per_class_selection() -> None:
+    held = load_prompts("heldout")
+    assert [sum(p.cls == c for p in held.prompts) for c in ("chat", "code", "math")] == [10, 10, 10]
+    assert not {p.prompt for p in held.prompts} & {p.prompt for p in builtin_prompts().prompts}
+    few = per_class(load_prompts("heldout:code,math"), 3)
+    assert [p.id for p in few.prompts] == ["code-01", "code-02", "code-03", "math-01", "math-02", "math-03"]
+    with pytest.raises(InvalidRequest):
+        load_prompts("heldout:poetry")
+    with pytest.raises(InvalidRequest):
+        per_class(held, 0)
