@@ -177,3 +177,22 @@ def test_feature_drafters_see_every_row_once_across_switches() -> None:
         tokens = [t for _, t in src.features_seen]
         assert tokens == (PROMPT + expected)[: len(tokens)]
     assert not plain_src.features_seen
+
+
+def test_a_cap_policy_that_pauses_its_source_moves_the_request_at_once() -> None:
+    clock = ManualClock()
+    target = TimedTarget(clock, flat(0.05))
+    src = TimedSource(target, lambda cap: 0.001, right=lambda r, i: i < 1, block=4, name="dspark")
+    # Calibrated on a machine where a k-token verify costs k steps: the MeasuredCap's first decision is 0.
+    linear = CostCurves(verify_s={w: 0.05 * w for w in range(1, 6)}, draft_s={c: 0.001 for c in range(1, 5)})
+    selector = AutoSelector(
+        {"dspark": src, PLAIN: None}, {"dspark": cap_policy_factory(None, linear, 4)}, {"dspark": 40.0, PLAIN: 20.0}
+    )
+    expected = plain_output(target, clock, 40)
+    result, events = one_request(selector, target, clock, n=40)
+    assert list(result.token_ids) == expected
+    switches = [e for e in events if isinstance(e, SourceSwitched)]
+    assert (switches[0].old, switches[0].new) == ("dspark", PLAIN) and "cap policy" in switches[0].reason
+    rounds = [e for e in events if isinstance(e, RoundFinished)]
+    # One round of it (drafting at the probe floor, not a plain round under its name), then plain decoding.
+    assert rounds[0].drafted == 2 and not rounds[1].drafted
