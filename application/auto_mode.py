@@ -142,7 +142,6 @@ class AutoSelector:
         curves: Mapping[str, CostCurves] | None = None,
         config: ArbiterConfig = DEFAULT_RULE,
         alpha: float = 0.5,
-        carry_max: int = 64,
         in_request: bool = True,
     ) -> None:
         if not candidates:
@@ -160,9 +159,8 @@ class AutoSelector:
         self._curves = dict(curves or {})
         self._config = config
         self._alpha = alpha
-        self._carry_max = carry_max
         self._in_request = in_request
-        self._delays: dict[str, int] = {}
+        self._carried: dict[str, tuple[int, int]] = {}
         self._winner = self._best_by(lambda c: c.race)
         self.current = self._winner
         self._last = self.current  # the source the last request ended on
@@ -199,11 +197,11 @@ class AutoSelector:
         if seeded:
             start = self._winner
             priors = {n: c.race for n, c in self._candidates.items()}
-            delays: dict[str, int] = {}
+            carried: dict[str, tuple[int, int]] = {}
         else:
             start = self.current
             priors = {n: c.rate for n, c in self._candidates.items()}
-            delays = dict(self._delays)
+            carried = dict(self._carried)
         switched = None
         if start != self._last:
             switched = SourceSwitched(
@@ -216,7 +214,7 @@ class AutoSelector:
             cand = self._candidates[start]
             return self._selection(start, cand.policy, switched, None)
         arbiter = SourceArbiter(
-            list(self._candidates), start=start, priors=priors, plain=self.plain, delays=delays, config=self._config
+            list(self._candidates), start=start, priors=priors, plain=self.plain, carried=carried, config=self._config
         )
         switcher = _RequestSwitcher(self, arbiter, seeded=seeded)
         return switcher.selection(start, switched)
@@ -319,7 +317,8 @@ class _RequestSwitcher:
             owner._fold(name, rate)
         if measured:  # the next request starts on what did best on this one
             owner.current = max(measured, key=lambda n: (measured[n], owner._candidates[n].source is None))
-        owner._delays = {n: min(d, owner._carry_max) for n, d in self.arbiter.carried_delays().items()}
+        self.arbiter.close()
+        owner._carried = self.arbiter.carried()
 
 
 @attrs.frozen(kw_only=True)

@@ -5,13 +5,15 @@ round ÷ seconds per round. A source's *gain* is that rate over plain decoding's
 1 ÷ the plain step's seconds), so plain's gain is 1 by definition and a gain below 1 loses. The rule:
 
 - The *home* candidate runs; after `judge_after` measured rounds it is compared with the others.
+- One probe at a time, and after each one `backoff` rounds of home before the next re-probe (a first
+  look at a never-measured candidate does not wait).
 - A paused candidate is re-probed for `probe_rounds` rounds once its backoff has run out (in rounds,
   and in seconds: as many of its own rounds' seconds, so a slow candidate's probes stay a small share
-  of the request's time); a probe that
-  beats home by `margin` becomes home (the old home is paused like a loser), one that does not is
-  paused again with its backoff doubled (quadrupled when it did less than half of home; up to
-  `max_backoff`), so a loser costs at most a
-  few probes, spaced exponentially. `carried_delays` hands the grown backoffs to the next request.
+  of the request's time). A probe behind home ends there; one ahead of it but within the noise measures
+  on, up to `max_probe_rounds`. A probe that beats home by `margin` becomes home (the old home is paused
+  like a loser); one that does not is paused again with its backoff doubled (quadrupled when it did less
+  than half of home; up to `max_backoff`), so a loser costs a few short probes, spaced exponentially.
+  `carried` hands the waits left and the grown backoffs to the next request.
 - Home moves at once (through a probe) when another candidate's last measurement beats it by `margin`,
   and a home source whose cap policy pauses it (the calibrated cost model says it cannot win) leaves;
   a probe ignores that pause and is judged by what it measures.
@@ -20,9 +22,9 @@ round ÷ seconds per round. A source's *gain* is that rate over plain decoding's
 
 Candidates never measured on this prompt start paused with a backoff set by their prior (what earlier
 requests or the race measured): plain decoding, an unknown prior or one at least about as good as
-plain's is probed right after home's first judgment, a worse one after `backoff` rounds (or after the
-delay an earlier request carried over), or as soon as home measures below that prior. Pure bookkeeping
-over numbers: no clock, no I/O.
+plain's is probed right after home's first judgment, a worse one after `backoff` rounds doubled for every
+tenth it is below plain's (up to four backoffs), or after the wait an earlier request carried over, or
+as soon as home measures below that prior. Pure bookkeeping over numbers: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class ArbiterConfig:
     """
 
     judge_after: int = 3
-    probe_rounds: int = 3
+    probe_rounds: int = 2
     max_probe_rounds: int = 12
     backoff: int = 16
     max_backoff: int = 256
@@ -138,8 +140,8 @@ class SourceArbiter:
         priors: tok/s per candidate known before this request (race or earlier requests); they order
             the first probes and pick a fallback before anything is measured. Missing = unknown.
         plain: the name of plain decoding, if it is a candidate.
-        delays: rounds before a candidate's first probe, carried from earlier requests (`carried_delays`);
-            a candidate missing here is placed by its prior.
+        carried: per candidate (rounds before its first probe, its backoff), from the request before
+            (`carried`); a candidate missing here is placed by its prior.
         config: the knobs.
     """
 
@@ -150,7 +152,7 @@ class SourceArbiter:
         start: str,
         priors: Mapping[str, float] | None = None,
         plain: str | None = None,
-        delays: Mapping[str, int] | None = None,
+        carried: Mapping[str, tuple[int, int]] | None = None,
         config: ArbiterConfig = ArbiterConfig(),
     ) -> None:
         if start not in names:
@@ -158,25 +160,31 @@ class SourceArbiter:
         self.config = config
         self.plain = plain if plain in names else None
         priors = priors or {}
-        delays = delays or {}
+        carried = carried or {}
         self._c = {n: _Candidate(prior=max(0.0, float(priors.get(n, 0.0)))) for n in dict.fromkeys(names)}
         # Priors are judged against plain decoding's (the reference), else against the first home's.
         ref = self._c[self.plain].prior if self.plain is not None and self._c[self.plain].prior > 0 else 0.0
         ref = ref or self._c[start].prior
         for name, cand in self._c.items():
             cand.backoff = config.backoff
-            if name in delays:
-                cand.due = max(0, int(delays[name]))
-                cand.backoff = max(config.backoff, min(cand.due, config.max_backoff))
+            if name in carried:
+                wait, backoff = carried[name]
+                cand.due = max(0, int(wait))
+                cand.backoff = max(config.backoff, min(int(backoff), config.max_backoff))
+            elif 0 < cand.prior < ref * (1 - config.margin):
+                # A known worse prior waits a backoff, doubled for every tenth it is below plain's, at
+                # most four backoffs (a prior from other prompts may be wrong here).
+                tenths = min(int((1 - cand.prior / ref) * 10), 2)
+                cand.due = min(config.backoff << tenths, config.max_backoff)
+                cand.backoff = cand.due  # and so does its next wait once it has lost a probe
             else:
-                # An unknown prior, or one about as good as plain's, is worth a look right after home's
-                # first judgment; a known worse one waits a backoff.
-                cand.due = config.backoff if 0 < cand.prior < ref * (1 - config.margin) else 0
+                cand.due = 0  # unknown, or about as good as plain: a look right after home's first judgment
         if self.plain is not None:
             self._c[self.plain].due = 0  # every gain is relative to it, and measuring it never loses to it
         self.home = start
         self.running = start
         self._round = 0
+        self._quiet = 0  # no new probe before this round (one probe at a time, spaced by a backoff)
         self._time = 0.0
         self._stint = 0  # rounds of `running` since it started (the first one is not measured)
         self._stint_estimate = Estimate()
@@ -211,14 +219,32 @@ class SourceArbiter:
                 out[name] = rate
         return out
 
-    def carried_delays(self) -> dict[str, int]:
-        """For the next request: the wait before a first probe of each candidate that lost here (its
-        current backoff); candidates that won or were never judged are left to their priors."""
-        return {
-            n: c.backoff
-            for n, c in self._c.items()
-            if n != self.home and c.backoff > self.config.backoff and n != self.plain
-        }
+    def close(self) -> None:
+        """The request ended. A probe cut short by the end is judged on every round it ran (its first
+        included): behind home, it is paused like any loser, so a probe that keeps landing at the end of
+        short requests does not run in every one of them."""
+        if not self.probing:
+            return
+        seen, home = self._c[self.running].seen, self.rate(self.home)
+        if seen is not None and seen.rate is not None and home is not None and seen.rate < home:
+            self._pause(self.running, factor=self._factor(self.running, self.home))
+            self.running = self.home
+
+    def carried(self) -> dict[str, tuple[int, int]]:
+        """For the next request, per source but home: (the rounds still left before its next probe, its
+        backoff), so probes stay spaced across short requests, and a wait runs out even when no single
+        request is long enough for it."""
+        home = self._c[self.home].estimate
+        per_round = home.seconds if home is not None and home.rounds else 0.0
+        out = {}
+        for name, c in self._c.items():
+            if name in (self.home, self.plain):
+                continue
+            wait = max(0, c.due - self._round)
+            if per_round > 0 and c.due_s > self._time:  # the wait in seconds, as rounds of home
+                wait = max(wait, math.ceil((c.due_s - self._time) / per_round))
+            out[name] = (wait, c.backoff)
+        return out
 
     @property
     def probing(self) -> bool:
@@ -269,8 +295,12 @@ class SourceArbiter:
             if measured < cfg.probe_rounds:
                 return None
             verdict = self._versus(running, self.home)
+            mine, home = self.rate(running), self.rate(self.home)
+            if verdict is None and mine is not None and home is not None and mine < home:
+                verdict = False  # behind home so far: a loser need not be proven one (it is re-probed)
             if verdict is None and measured < cfg.max_probe_rounds:
-                return None  # within the noise: measure on
+                return None  # ahead of home but within the noise: measure on
+            self._quiet = self._round + cfg.backoff
             if verdict is True or (verdict is None and self._ahead(running, self.home)):
                 # The probe keeps running: only home moves (no switch), the old home waits a backoff.
                 old = self.home
@@ -287,12 +317,14 @@ class SourceArbiter:
         if best is not None and self._ahead(best, running):
             return self._probe(best, f"measured faster earlier: {self._says(best, running)}")
         here = self.rate(running) or 0.0
+        quiet = self._round < self._quiet
         due = [
             n
             for n, c in self._c.items()
             if n != running
             and (
-                (c.due <= self._round and c.due_s <= self._time)
+                # due; a first look at a never-measured one does not wait for the quiet spell
+                ((not quiet or c.estimate is None) and c.due <= self._round and c.due_s <= self._time)
                 # never measured here, and its prior beats what home measures on this prompt
                 or (c.estimate is None and c.prior > here * (1 + cfg.margin) and c.held <= self._round)
             )

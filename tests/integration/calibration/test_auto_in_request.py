@@ -121,7 +121,8 @@ def test_seeded_sampling_through_auto_repeats_whatever_the_wall_time() -> None:
             out.append((r.token_ids, dict(r.source_rounds)))
         runs.append(out)
         assert out[0] == out[1]
-        assert out[0][1].get("good", 0) > out[0][1].get("bad", 0)  # it did adapt
+        ran = out[0][1]
+        assert sum(ran.values()) > 4 * ran.get("bad", 0)  # it did adapt: the bad source runs little
     assert runs[0] == runs[1] == runs[2]
     assert len(runs[0][0][0]) == 60
 

@@ -109,8 +109,9 @@ def test_online_switch_follows_observed_throughput() -> None:
         assert list(result.token_ids) == plain
         sources.append(result.source)
     # The first request moved to "b" within itself; the next ones start there (one more look at "a",
-    # whose race number is still high, then "a" waits its backoff).
-    assert switching.current == "b" and sources[0] == "b" and sources[2:] == ["b"] * 4
+    # whose race number is still high, then "a" waits its backoff: a short re-probe now and then).
+    assert switching.current == "b" and sources[0] == "b" and sources[2:4] == ["b", "b"]
+    assert sources.count("b") >= 4
     switches = [e for _, e in sink.events if isinstance(e, SourceSwitched)]
     assert switches[0].old == "a" and switches[0].new == "b"
     assert switching.rates()["b"] > switching.rates()["a"]
