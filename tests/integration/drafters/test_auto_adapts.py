@@ -148,20 +148,23 @@ def test_a_drafter_that_never_matches_falls_back_to_plain(qwen3_target: Any, dra
 
 
 def test_lookup_that_matches_well_is_kept(qwen3_target: Any, drafters: dict[str, Any]) -> None:
-    expected = plain(qwen3_target, REPETITIVE, 64)
+    # A prompt that already holds the tiny target's answer loop: lookup matches from the first round.
+    prompt = REPETITIVE + plain(qwen3_target, REPETITIVE, 30)
+    expected = plain(qwen3_target, prompt, 160)
     clock = ManualClock()
     target = target_for(qwen3_target, clock, drafters)
     lookup = ChargedSource(LookupDraftSource(block=5), clock, lambda _n: 0.0005)
     dspark = ChargedSource(drafters["dspark"], clock, lambda _n: 0.01)
-    # The race preferred DSpark (a random drafter here); on this prompt lookup wins.
+    # The race preferred DSpark (a drafter built from the target's bigrams, decent here); lookup is better.
     selector, service, _ = auto(
         {"dspark": dspark, "lookup": lookup}, {"dspark": 30.0, "lookup": 25.0, PLAIN: 20.0}, clock, target
     )
-    result = run(service, target, REPETITIVE, 64)
+    result = run(service, target, prompt, 160)
     assert list(result.token_ids) == expected
-    # It tries plain decoding and DSpark once each on this prompt, then stays on lookup.
-    assert result.source == "lookup" and result.source_rounds["lookup"] > result.rounds / 2
-    assert result.accepted > 0 and selector.current == "lookup"
+    # It measures plain decoding and DSpark on this prompt, then runs lookup for most of it (the clock is
+    # manual, so this schedule is the same every run).
+    assert result.source_rounds["lookup"] >= 0.6 * result.rounds
+    assert result.accepted > 0
     assert selector.rates()["lookup"] > max(selector.rates()["dspark"], selector.rates()[PLAIN])
 
 
