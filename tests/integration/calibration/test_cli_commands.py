@@ -60,9 +60,13 @@ def test_bench_runs_auto_beside_the_fixed_modes(fake_start: Any, capsys: pytest.
     lines = out.splitlines()
     header = lines[1].split()
     assert header[:1] == ["mode"] and "chat" in header and "code" in header and "ran" in header
-    rows = {line.split()[0]: line for line in lines[3:] if line.strip()}
+    end = next(i for i, line in enumerate(lines) if line.startswith("auto per class"))
+    rows = {line.split()[0]: line for line in lines[3:end] if line.strip()}
     assert set(rows) == {"baseline", "lookup", "auto"}  # the baseline always runs, first
     assert "yes" in rows["auto"] and "yes" in rows["lookup"]
+    # Then auto per class against plain decoding and the best fixed mode.
+    verdicts = {line.split()[0] for line in lines[end + 3 :] if line.strip()}
+    assert verdicts == {"chat", "code"} and "auto/best" in lines[end + 1]
 
 
 def test_calibrate_races_the_sources_auto_would(fake_start: Any, capsys: pytest.CaptureFixture[str]) -> None:
