@@ -34,7 +34,10 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-SPREAD_FLOOR = 0.25  # the least relative spread of per-round rates assumed (a round commits 1..k+1 tokens)
+SPREAD_FLOOR = 0.25  # the least relative spread of per-round rates assumed for plain decoding (timing alone)
+# A drafting source's rounds commit 1..k+1 tokens: with the floor of plain decoding, two one-token rounds of a
+# drafter that runs at 1.4x on average "proved" it a loser, and auto ran plain decoding on most held-out prompts.
+DRAFT_SPREAD_FLOOR = 0.8
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +84,7 @@ class Estimate:
     mean_square: float = 0.0
     rounds: int = 0
     weight: float = 0.0  # effective number of rounds behind the averages
+    floor: float = SPREAD_FLOOR  # the least relative spread assumed (DRAFT_SPREAD_FLOOR for a drafting source)
 
     @property
     def rate(self) -> float | None:
@@ -96,7 +100,7 @@ class Estimate:
             return math.inf
         var = max(0.0, self.mean_square - self.mean_rate**2) * self.rounds / (self.rounds - 1)
         # A few equal rounds prove little: never assume less spread than SPREAD_FLOOR of the rate.
-        var = max(var, (SPREAD_FLOOR * self.mean_rate) ** 2)
+        var = max(var, (self.floor * self.mean_rate) ** 2)
         return math.sqrt(var / max(min(self.weight, self.rounds), 1.0))
 
     def add(self, tokens: int, seconds: float, alpha: float | None) -> None:
@@ -187,7 +191,7 @@ class SourceArbiter:
         self._quiet = 0  # no new probe before this round (one probe at a time, spaced by a backoff)
         self._time = 0.0
         self._stint = 0  # rounds of `running` since it started (the first one is not measured)
-        self._stint_estimate = Estimate()
+        self._stint_estimate = self._fresh(self.running)
         self.rounds: dict[str, int] = dict.fromkeys(self._c, 0)
         self.switches = 0
 
@@ -264,7 +268,7 @@ class SourceArbiter:
         self._stint += 1
         if seconds > 0:
             cand = self._c[name]
-            cand.seen = cand.seen or Estimate()
+            cand.seen = cand.seen or self._fresh(name)
             cand.seen.add(tokens, seconds, None)
         if self._stint > 1 and seconds > 0:
             est = self._stint_estimate
@@ -296,8 +300,11 @@ class SourceArbiter:
                 return None
             verdict = self._versus(running, self.home)
             mine, home = self.rate(running), self.rate(self.home)
-            if verdict is None and mine is not None and home is not None and mine < home:
-                verdict = False  # behind home so far: a loser need not be proven one (it is re-probed)
+            settled = running == self.plain or measured >= 3 * cfg.probe_rounds
+            if verdict is None and settled and mine is not None and home is not None and mine < home:
+                # Behind home so far: a loser need not be proven one (it is re-probed); a drafter gets a
+                # few more rounds first, its rounds vary too much for two to say.
+                verdict = False
             if verdict is None and measured < cfg.max_probe_rounds:
                 return None  # ahead of home but within the noise: measure on
             self._quiet = self._round + cfg.backoff
@@ -408,7 +415,10 @@ class SourceArbiter:
         self._stint = 0
         kept = self._c[name].estimate
         # Home continues its estimate; a probe measures afresh (its old number stands until then).
-        self._stint_estimate = attrs.evolve(kept) if (kept is not None and not fresh) else Estimate()
+        self._stint_estimate = attrs.evolve(kept) if (kept is not None and not fresh) else self._fresh(name)
+
+    def _fresh(self, name: str) -> Estimate:
+        return Estimate(floor=SPREAD_FLOOR if name == self.plain else DRAFT_SPREAD_FLOOR)
 
     def _probe(self, name: str, reason: str) -> Switch:
         old = self.running

@@ -60,8 +60,9 @@ def test_a_losing_source_falls_back_to_plain_within_a_few_rounds() -> None:
     assert arb.home == PLAIN
     first = next(i for i, n in enumerate(ran) if n == PLAIN)
     assert first <= 1 + CFG.judge_after  # judged after its settle round and three measured rounds
-    # Later re-probes are spaced exponentially: 16, 32, 64, ... rounds of plain between them.
-    assert ran.count("wrong") <= first + 6 * (CFG.probe_rounds + 1)
+    # Later re-probes are spaced exponentially: 16, 32, 64, ... rounds of plain between them; a drafter
+    # within the noise of plain gets 3 x probe_rounds measured rounds a probe (its rounds vary).
+    assert ran.count("wrong") <= first + 6 * (3 * CFG.probe_rounds + 1)
     gaps = _gaps(ran, "wrong")
     assert gaps == sorted(gaps) and len(gaps) >= 2 and gaps[-1] >= 1.8 * gaps[-2]
     assert arb.gain("wrong") is not None and arb.gain("wrong") < 1  # type: ignore[operator]
