@@ -80,6 +80,7 @@ def test_bench_json_schema() -> None:
         "mode", "runs", "decode_tok_s", "e2e_tok_s", "ttft_s", "mean_accepted", "speedup", "lossless",
         "mismatched_prompts", "per_class_decode_tok_s", "per_class_speedup", "sources", "prefill_tok_s",
         "decode_vs_reference", "prefill_vs_reference", "per_class_decode_vs_reference", "first_divergence",
+        "vs_references",
     }  # fmt: skip
     for m in doc["modes"]:
         assert set(m) == keys
@@ -246,7 +247,7 @@ def test_a_reference_runs_right_after_the_baseline_with_paired_ratios() -> None:
     gens, model = generators()
     ref = ChargedReference()
     prompts = _prompts("code", 2)
-    report = run_bench(gens, prompts, trials=2, max_tokens=10, reference=ref, clock=model.target.clock)
+    report = run_bench(gens, prompts, trials=2, max_tokens=10, references=[ref], clock=model.target.clock)
     assert report.reference == "ref"
     assert [m.mode for m in report.modes] == ["baseline", "ref", "dspark"]
     # Per prompt and trial, back to back: ours, the reference, then the other modes.
@@ -280,7 +281,7 @@ def test_a_reference_runs_right_after_the_baseline_with_paired_ratios() -> None:
 def test_a_reference_that_diverges_reports_where() -> None:
     gens, model = generators()
     report = run_bench(
-        gens, _prompts("math", 2), trials=1, max_tokens=8, reference=ChargedReference(garble_at=3),
+        gens, _prompts("math", 2), trials=1, max_tokens=8, references=[ChargedReference(garble_at=3)],
         clock=model.target.clock,
     )  # fmt: skip
     by = {m.mode: m for m in report.modes}
@@ -293,7 +294,7 @@ def test_a_reference_that_diverges_reports_where() -> None:
 def test_a_reference_needs_greedy() -> None:
     gens, _ = generators()
     with pytest.raises(Exception, match="greedy"):
-        run_bench(gens, _prompts("chat", 1), trials=1, max_tokens=4, temperature=0.7, reference=ChargedReference())
+        run_bench(gens, _prompts("chat", 1), trials=1, max_tokens=4, temperature=0.7, references=[ChargedReference()])
 
 
 def test_prefill_alone_at_each_length_against_the_reference() -> None:
