@@ -165,6 +165,10 @@ def test_bench_against_mlx_lm_draft_on_two_prompts(
     argv = ["--modes", "baseline,lookup", "--against", "mlx-lm-draft", "--num-draft", "4", "--prompts", str(prompts),
             "--trials", "1", "--max-tokens", "16", "--quiet"]  # fmt: skip
     assert bench.main(argv) == 0  # our modes lossless (a reference that differs only warns)
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[3:]}
+    table = capsys.readouterr().out
+    artifacts = Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    (artifacts / "heavy-bench-mlx-lm-draft.txt").write_text(table)  # the numbers of this run, for the record
+    rows = {line.split()[0]: line for line in table.splitlines()[3:]}
     assert list(rows) == ["baseline", "mlx-lm-draft@4", "lookup"]
     assert rows["baseline"].rstrip().endswith("yes") and rows["lookup"].rstrip().endswith("yes")
