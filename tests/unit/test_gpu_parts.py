@@ -92,6 +92,6 @@ def test_a_file_whose_bytes_do_not_match_the_manifest_stops_the_join(parts: Modu
     doc = json.loads(manifest.read_text())
     doc["files"][1]["sha256"] = "0" * 64  # parts sound, the file they make is not the one recorded
     manifest.write_text(json.dumps(doc))
-    with pytest.raises(parts.PartsError, match="model.safetensors: sha256"):
+    with pytest.raises(parts.PartsError, match=r"model\.safetensors: sha256"):
         parts.join(tmp_path / "out", tmp_path / "model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "out"]  # no half-joined folder left
