@@ -137,7 +137,7 @@ def test_bench_against_mlx_lm_draft_pairs_a_row_per_draft_length(
     assert pair.loaded == ["tiny-draft"]
     doc = json.loads(capsys.readouterr().out)
     refs = ["mlx-lm", "mlx-lm-draft@2", "mlx-lm-draft@4"]
-    assert doc["schema"] == "mlx-dspark/bench/4" and doc["references"] == refs
+    assert doc["schema"] == "mlx-dspark/bench/5" and doc["references"] == refs
     by = {m["mode"]: m for m in doc["modes"]}
     assert list(by) == ["baseline", *refs, "lookup"]
     assert doc["reference"] == max(refs, key=lambda r: by[r]["decode_tok_s"])  # the headline: the fastest
