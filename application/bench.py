@@ -1,8 +1,9 @@
 """Use case: `mlx-dspark bench` — warm runs of each mode on a fixed prompt set, the baseline measured in
 the same run, a lossless check against it, and the report (data and its JSON document; the CLI renders
-the table and the plot). With a reference decoder (`--against mlx-lm`) its plain greedy decoding runs
-right after ours on every prompt and each mode gets the paired ratio ours / reference; `run_prefill_bench`
-times prefill alone at given lengths, ours against the reference.
+the table and the plot). With reference decoders (`--against mlx-lm`, `--against mlx-lm-draft`: mlx-lm's
+plain decoding, its draft-model speculation at each draft length) each runs right after ours on every
+prompt and each mode gets the paired ratio ours / reference against every one, headlined against the
+fastest; `run_prefill_bench` times prefill alone at given lengths, ours against the reference.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.ports import Clock, DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
-BENCH_SCHEMA = "mlx-dspark/bench/4"  # 4: auto per class vs plain and the best fixed mode, source switches
+BENCH_SCHEMA = "mlx-dspark/bench/5"  # 4: auto per class vs plain and the best fixed mode; 5: several references
 BASELINE = PLAIN
 AUTO = "auto"
 
@@ -67,6 +68,16 @@ class BenchRun:
 
 
 @attrs.frozen(kw_only=True)
+class ReferenceRatios:
+    """One mode against one reference: medians over prompts and trials of ours ÷ the reference's, paired on
+    the same prompt and trial (None where nothing pairs)."""
+
+    decode: float | None
+    prefill: float | None
+    per_class: Mapping[str, float | None] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
 class ModeSummary:
     """Medians of one mode over every prompt and trial.
 
@@ -78,11 +89,12 @@ class ModeSummary:
         per_class_speedup: per class, median decode tok/s ÷ the baseline's on the same class.
         sources: how many runs ended on each draft source (auto's choices; one entry for a fixed mode).
         prefill_tok_s: median prefill tok/s.
-        decode_vs_reference: median over prompts and trials of this mode's decode tok/s ÷ the reference's on
-            the same prompt and trial (None without a reference).
+        decode_vs_reference: median over prompts and trials of this mode's decode tok/s ÷ the headline
+            reference's (the report's `reference`) on the same prompt and trial (None without a reference).
         prefill_vs_reference: the same ratio of prefill tok/s.
         per_class_vs_reference: decode_vs_reference per prompt class.
         first_divergence: per mismatched prompt, the index of the first token that differs from the baseline.
+        vs_references: the paired ratios against every reference, by its name.
     """
 
     mode: str
@@ -102,6 +114,7 @@ class ModeSummary:
     prefill_vs_reference: float | None = None
     per_class_vs_reference: Mapping[str, float | None] = attrs.field(factory=dict)
     first_divergence: Mapping[str, int] = attrs.field(factory=dict)
+    vs_references: Mapping[str, ReferenceRatios] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -166,9 +179,12 @@ class BenchReport:
     runs: tuple[BenchRun, ...]
     curves: Mapping[str, CostCurves] = attrs.field(factory=dict)
     environment: Mapping[str, Any] = attrs.field(factory=dict)
-    reference: str | None = None  # the reference decoder's name; its runs are the mode of that name
+    # The headline reference (the fastest of `references` by median decode tok/s); each reference's runs are
+    # the mode of its name.
+    reference: str | None = None
     prefill: tuple[PrefillPoint, ...] = ()
     auto: tuple[AutoVerdict, ...] = ()  # per class, when auto ran beside plain decoding
+    references: tuple[str, ...] = ()
 
 
 def _median(values: Sequence[float]) -> float:
@@ -191,13 +207,13 @@ def run_bench(
     curves: Mapping[str, CostCurves] | None = None,
     environment: Mapping[str, Any] | None = None,
     progress: Callable[[str, float], None] | None = None,
-    reference: ReferenceDecoder | None = None,
+    references: Sequence[ReferenceDecoder] = (),
     clock: Clock | None = None,
 ) -> BenchReport:
     """Run every mode on every prompt `trials` times and summarize.
 
     Each mode gets one untimed warm-up request; then, per trial and prompt, every mode runs back to back
-    (the baseline first, the reference right after it), so slow drift of the machine hits all alike.
+    (the baseline first, the references right after it), so slow drift of the machine hits all alike.
     Every timed request starts from an empty target cache, so no run reuses another's prompt rows.
 
     Args:
@@ -211,20 +227,23 @@ def run_bench(
         curves: cost curves to include in the report (JSON and plot).
         environment: device/MLX facts to include in the report.
         progress: status-line callback (message, fraction done).
-        reference: another implementation's greedy plain decoding on the same model (needs temperature 0),
-            reported as the mode of its name with every mode's paired ratio against it.
-        clock: times the reference (default: a monotonic clock).
+        references: other implementations' greedy decoding on the same model (need temperature 0), each
+            reported as the mode of its name with every mode's paired ratio against it; the fastest one
+            is the report's headline `reference`.
+        clock: times the references (default: a monotonic clock).
     """
     if trials < 1:
         raise ValueError("trials must be >= 1")
-    if reference is not None and temperature != 0:
+    if references and temperature != 0:
         raise InvalidRequest(message="a reference decoder runs greedy only: use --temperature 0", param="against")
-    if reference is not None and reference.name in runners:
-        raise ValueError(f"a mode is already named {reference.name!r}")
+    ref_names = [r.name for r in references]
+    taken = [n for n in ref_names if n in runners]
+    if taken or len(set(ref_names)) != len(ref_names):
+        raise ValueError(f"reference names must be distinct from each other and from the modes: {ref_names}")
     order = sorted(runners, key=lambda m: m != BASELINE)
     ref_clock = clock or MonotonicClock()
     sampling = SamplingParams(temperature=temperature, seed=seed)
-    total = (len(order) + (reference is not None)) * len(prompts.prompts) * trials
+    total = (len(order) + len(references)) * len(prompts.prompts) * trials
     done = 0
     runs: list[BenchRun] = []
     first = prompts.prompts[0]
@@ -234,11 +253,12 @@ def run_bench(
             GenerationRequest(prompt=first.prompt, max_tokens=warmup_tokens, sampling=sampling, prefix_cache=False)
         )
     lead = runners[order[0]] if order else None
-    if reference is not None and lead is not None:
-        ids = lead.encode_prompt(GenerationRequest(prompt=first.prompt))
-        reference.generate(
-            lead.model, ids, max_tokens=warmup_tokens, eos_ids=lead.model.tokenizer.eos_ids, clock=ref_clock
-        )
+    if lead is not None:
+        for reference in references:
+            ids = lead.encode_prompt(GenerationRequest(prompt=first.prompt))
+            reference.generate(
+                lead.model, ids, max_tokens=warmup_tokens, eos_ids=lead.model.tokenizer.eos_ids, clock=ref_clock
+            )
 
     def tick(label: str) -> None:
         nonlocal done
@@ -274,11 +294,13 @@ def run_bench(
                     )
                 )
                 tick(f"{mode} {p.id} trial {trial + 1}/{trials}")
-                if reference is not None and mode == order[0]:
+                for reference in references if mode == order[0] else ():
                     runs.append(_reference_run(reference, runner, request, p.id, p.cls, trial, ref_clock))
                     tick(f"{reference.name} {p.id} trial {trial + 1}/{trials}")
     model = next(iter(runners.values())).model if runners else None
-    modes = [*order[:1], *([reference.name] if reference is not None and order else []), *order[1:]]
+    ref_modes = ref_names if order else []
+    modes = [*order[:1], *ref_modes, *order[1:]]
+    headline = fastest(runs, ref_modes)
     fixed = [m for m in order if m != AUTO]
     return BenchReport(
         model=model.name if model else "",
@@ -287,13 +309,12 @@ def run_bench(
         trials=trials,
         max_tokens=max_tokens,
         temperature=temperature,
-        modes=summarize(
-            runs, modes, greedy=sampling.greedy, reference=reference.name if reference is not None else None
-        ),
+        modes=summarize(runs, modes, greedy=sampling.greedy, references=ref_modes, headline=headline),
         runs=tuple(runs),
         curves=dict(curves or {}),
         environment=dict(environment or {}),
-        reference=reference.name if reference is not None else None,
+        reference=headline,
+        references=tuple(ref_modes),
         auto=auto_verdicts(runs, fixed),
     )
 
@@ -353,7 +374,8 @@ def _reference_run(
         decode_tok_s=got.tokens_per_second,
         e2e_tok_s=n / max(got.prefill_s + got.decode_s, 1e-9),
         ttft_s=got.prefill_s,
-        mean_accepted=1.0 if n > 1 else 0.0,
+        # Tokens per target forward: a plain reference makes one a step, a speculative one reports its rounds.
+        mean_accepted=n / got.rounds if got.rounds else (1.0 if n > 1 else 0.0),
         generated_tokens=n,
         token_ids=got.token_ids,
         source=reference.name,
@@ -386,16 +408,41 @@ def _decode_ratio(runs: Sequence[BenchRun], ref: Mapping[tuple[str, int], BenchR
     return _median(ratios) if ratios else None
 
 
+def fastest(runs: Sequence[BenchRun], modes: Sequence[str]) -> str | None:
+    """The mode among `modes` with the highest median decode tok/s (the first on a tie), None if none ran."""
+    rates = {m: _median([r.decode_tok_s for r in runs if r.mode == m]) for m in modes}
+    return max(rates, key=lambda m: rates[m]) if rates else None
+
+
+def _ratios(rs: Sequence[BenchRun], ref_runs: Mapping[tuple[str, int], BenchRun]) -> ReferenceRatios:
+    prefill = _paired(rs, ref_runs, lambda r: r.prefill_tok_s)
+    classes = sorted({r.cls for r in rs})
+    return ReferenceRatios(
+        decode=_decode_ratio(rs, ref_runs),
+        prefill=_median(prefill) if prefill else None,
+        per_class={c: _decode_ratio([r for r in rs if r.cls == c], ref_runs) for c in classes},
+    )
+
+
 def summarize(
-    runs: Sequence[BenchRun], order: Sequence[str], *, greedy: bool, reference: str | None = None
+    runs: Sequence[BenchRun],
+    order: Sequence[str],
+    *,
+    greedy: bool,
+    references: Sequence[str] = (),
+    headline: str | None = None,
 ) -> tuple[ModeSummary, ...]:
-    """Per-mode medians, speedups against the baseline, ratios against the reference and lossless verdicts."""
+    """Per-mode medians, speedups against the baseline, ratios against each reference (the `headline` one,
+    default the fastest, in the flat fields) and lossless verdicts."""
     by_mode = {m: [r for r in runs if r.mode == m] for m in order}
     base = by_mode.get(BASELINE, [])
     base_rate = _median([r.decode_tok_s for r in base])
     base_class = {c: _median([r.decode_tok_s for r in base if r.cls == c]) for c in {r.cls for r in base}}
     reference_ids = {r.prompt_id: r.token_ids for r in base if r.trial == 0}
-    ref_runs = {(r.prompt_id, r.trial): r for r in by_mode.get(reference or "", [])} if reference else {}
+    headline = headline if headline is not None else fastest(runs, references)
+    ref_runs = {
+        name: {(r.prompt_id, r.trial): r for r in runs if r.mode == name} for name in references if name in by_mode
+    }
     out = []
     for mode in order:
         rs = by_mode[mode]
@@ -413,7 +460,8 @@ def summarize(
             lossless = not mismatched
         classes = sorted({r.cls for r in rs})
         per_class = {c: _median([r.decode_tok_s for r in rs if r.cls == c]) for c in classes}
-        prefill_ratio = _paired(rs, ref_runs, lambda r: r.prefill_tok_s)
+        against = {name: _ratios(rs, paired) for name, paired in ref_runs.items()}
+        top = against.get(headline or "")
         out.append(
             ModeSummary(
                 mode=mode,
@@ -431,12 +479,11 @@ def summarize(
                 },
                 sources=dict(sorted(Counter(r.source for r in rs).items())),
                 prefill_tok_s=_median([r.prefill_tok_s for r in rs]),
-                decode_vs_reference=_decode_ratio(rs, ref_runs),
-                prefill_vs_reference=_median(prefill_ratio) if prefill_ratio else None,
-                per_class_vs_reference={c: _decode_ratio([r for r in rs if r.cls == c], ref_runs) for c in classes}
-                if ref_runs
-                else {},
+                decode_vs_reference=top.decode if top else None,
+                prefill_vs_reference=top.prefill if top else None,
+                per_class_vs_reference=dict(top.per_class) if top else {},
                 first_divergence=dict(sorted(divergence.items())),
+                vs_references=against,
             )
         )
     return tuple(out)
@@ -570,6 +617,7 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
         "environment": dict(report.environment),
         "baseline": BASELINE if any(m.mode == BASELINE for m in report.modes) else None,
         "reference": report.reference,
+        "references": list(report.references),
         "modes": [
             {
                 "mode": m.mode,
@@ -589,6 +637,14 @@ def report_json(report: BenchReport, *, include_runs: bool = True) -> dict[str, 
                 "prefill_vs_reference": m.prefill_vs_reference,
                 "per_class_decode_vs_reference": dict(m.per_class_vs_reference),
                 "first_divergence": dict(m.first_divergence),
+                "vs_references": {
+                    name: {
+                        "decode": v.decode,
+                        "prefill": v.prefill,
+                        "per_class_decode": dict(v.per_class),
+                    }
+                    for name, v in m.vs_references.items()
+                },
             }
             for m in report.modes
         ],

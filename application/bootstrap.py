@@ -19,6 +19,7 @@ from mlx_dspark.application.ports import (
     CalibrationStore,
     DrafterTrainer,
     EmbeddedModels,
+    LoadedModel,
     ModelLoader,
     PrefixStore,
     ReferenceDecoder,
@@ -29,7 +30,16 @@ from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import TargetModel, TelemetrySink
 
-__all__ = ["Services", "build", "build_dashboard", "build_trainer", "embedded_models", "reference_decoder", "runtime"]
+__all__ = [
+    "Services",
+    "build",
+    "build_dashboard",
+    "build_trainer",
+    "draft_reference_decoder",
+    "embedded_models",
+    "reference_decoder",
+    "runtime",
+]
 
 if TYPE_CHECKING:
     from mlx_dspark.application.dashboard.service import Dashboard
@@ -98,6 +108,14 @@ def reference_decoder() -> ReferenceDecoder:
     from mlx_dspark.adapters.mlx.mlx_lm_reference import MlxLmReference
 
     return MlxLmReference()
+
+
+def draft_reference_decoder(draft: LoadedModel, num_draft: int) -> ReferenceDecoder:
+    """What `bench --against mlx-lm-draft` measures ours against: mlx-lm's `speculative_generate_step` with
+    `draft` (checked by `references.load_draft_model`) proposing `num_draft` tokens a round."""
+    from mlx_dspark.adapters.mlx.mlx_lm_reference import MlxLmDraftReference
+
+    return MlxLmDraftReference(draft, num_draft)
 
 
 def embedded_models() -> EmbeddedModels:

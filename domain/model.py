@@ -93,11 +93,14 @@ class ReferenceRun:
         token_ids: the generated ids (an EOS ends them and is not included, as in ours).
         prefill_s: prompt in → first token on the host.
         decode_s: first token → last token on the host.
+        rounds: target forwards after the prompt that produced the tokens (a speculative reference's
+            verify rounds); None = one per token.
     """
 
     token_ids: tuple[int, ...]
     prefill_s: float
     decode_s: float
+    rounds: int | None = None
 
     @property
     def tokens_per_second(self) -> float:

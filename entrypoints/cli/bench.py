@@ -1,6 +1,7 @@
 """`mlx-dspark bench`: every mode on the fixed prompt set, baseline measured in the same run; a table,
 `--json`, or a PNG plot (`--plot`, needs the optional `plot` extra). `--against mlx-lm` adds mlx-lm's own
-plain decoding on the same prompts and model; `--prefill-lengths` times prefill alone instead."""
+plain decoding on the same prompts and model, `--against mlx-lm-draft` its draft-model speculation (one row
+per `--num-draft`); `--prefill-lengths` times prefill alone instead."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, start_with_model
 from mlx_dspark.entrypoints.cli.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from mlx_dspark.application.ports import LoadedModel, ReferenceDecoder
+    from mlx_dspark.application.services import Services
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,8 +52,21 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--against",
-        choices=["mlx-lm"],
-        help="also run mlx-lm's generate_step on the same model and prompts (greedy), paired per prompt",
+        metavar="mlx-lm|mlx-lm-draft[,...]",
+        help="also run mlx-lm on the same model and prompts (greedy), paired per prompt: its generate_step "
+        "(mlx-lm) and/or its draft-model speculation, speculative_generate_step (mlx-lm-draft)",
+    )
+    p.add_argument(
+        "--draft-model",
+        metavar="NAME|DIR",
+        help="mlx-lm-draft's draft model (default: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b); it must share "
+        "the target's vocabulary",
+    )
+    p.add_argument(
+        "--num-draft",
+        metavar="N,N,...",
+        help="mlx-lm-draft's draft tokens per round, each its own row mlx-lm-draft@N (default 2,4,8); the "
+        "fastest is the headline reference",
     )
     p.add_argument(
         "--prefill-lengths",
@@ -140,6 +159,38 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     return 0 if all(p.lossless for p in points) else 3
 
 
+def _reference_specs(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """`--against` kinds and `--num-draft` counts, checked before any model loads."""
+    from mlx_dspark.application.references import DRAFT_REFERENCE, num_draft_values, reference_kinds
+    from mlx_dspark.domain.errors import InvalidRequest
+
+    kinds = reference_kinds(args.against) if args.against else []
+    if kinds and args.temperature != 0:
+        raise InvalidRequest(message="--against runs greedy only: use --temperature 0", param="against")
+    if DRAFT_REFERENCE not in kinds:
+        if args.draft_model or args.num_draft:
+            raise InvalidRequest(message=f"--draft-model and --num-draft go with --against {DRAFT_REFERENCE}")
+        return kinds, []
+    return kinds, num_draft_values(args.num_draft)
+
+
+def _references(
+    kinds: Sequence[str], counts: Sequence[int], draft_spec: str | None, services: Services, model: LoadedModel,
+    bar: ProgressBar,
+) -> list[ReferenceDecoder]:  # fmt: skip
+    """The reference decoders `--against` names: mlx-lm's plain decoding, then mlx-lm-draft at each count."""
+    from mlx_dspark.application import bootstrap
+    from mlx_dspark.application.references import DRAFT_REFERENCE, load_draft_model
+
+    out = [bootstrap.reference_decoder()] if "mlx-lm" in kinds else []
+    if DRAFT_REFERENCE in kinds:
+        bar.note(f"loading the draft model for {DRAFT_REFERENCE}")
+        draft = load_draft_model(services.loader, model, draft_spec)
+        bar.note(f"{DRAFT_REFERENCE}: {draft.name} drafts for {model.name}, {','.join(map(str, counts))} a round")
+        out.extend(bootstrap.draft_reference_decoder(draft, n) for n in counts)
+    return out
+
+
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
     bar = ProgressBar(quiet=args.quiet)
@@ -158,7 +209,9 @@ def main(argv: Sequence[str]) -> int:
         prompts = load_prompts(args.prompts)
         if args.per_class is not None:
             prompts = per_class(prompts, args.per_class)
+        kinds, counts = _reference_specs(args)
         settings, services, model = start_with_model(args, bar.note)
+        references = _references(kinds, counts, args.draft_model, services, model, bar)  # before any calibration
         requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
         runners = bench_runners(services, settings, model, requested, bar.note, bar.update)
         curves = {}
@@ -181,7 +234,7 @@ def main(argv: Sequence[str]) -> int:
             curves=curves,
             environment=bootstrap.runtime().report() if args.json else {},
             progress=bar.update,
-            reference=bootstrap.reference_decoder() if args.against else None,
+            references=references,
             clock=services.clock,
         )
         bar.close()
@@ -196,12 +249,11 @@ def main(argv: Sequence[str]) -> int:
                 bar.warn(str(exc))
                 return 1
             bar.note(f"wrote {args.plot}")
-        ref = next((m for m in report.modes if m.mode == report.reference), None)
-        if ref is not None and ref.lossless is False:
+        for ref in (m for m in report.modes if m.mode in report.references and m.lossless is False):
             # Not ours to fail on: a reference that rounds differently may flip a near-tied argmax.
             where = ", ".join(f"{p} at token {i}" for p, i in ref.first_divergence.items())
             bar.warn(f"{ref.mode} greedy output differs from our plain decoding: {where}")
-        bad_modes = [m.mode for m in report.modes if m.lossless is False and m.mode != report.reference]
+        bad_modes = [m.mode for m in report.modes if m.lossless is False and m.mode not in report.references]
         if bad_modes:
             bar.warn(f"LOSSLESS CHECK FAILED for {', '.join(bad_modes)} (token ids differ from baseline)")
             return 3

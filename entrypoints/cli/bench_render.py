@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_dspark.application.bench import BenchReport, PrefillPoint
+from mlx_dspark.application.bench import BenchReport, ModeSummary, PrefillPoint
 
 
 def _times(x: float | None) -> str:
@@ -20,12 +20,19 @@ def _grid(rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
+def _decode_vs(m: ModeSummary, reference: str) -> str:
+    v = m.vs_references.get(reference)
+    return _times(v.decode if v is not None else None)
+
+
 def render_table(report: BenchReport) -> str:
-    """The terminal table: one row per mode, its speedup per prompt class, what auto ran and, with a reference
-    (`--against`), its own row and every mode's paired decode and prefill ratio against it."""
+    """The terminal table: one row per mode, its speedup per prompt class, what auto ran and, with references
+    (`--against`), a row of each and every mode's paired decode ratio against each (prefill against the
+    fastest reference, which the title names)."""
     classes = sorted({p.cls for p in report.prompt_set.prompts})
     ref = report.reference
-    against = (f"decode/{ref}", f"prefill/{ref}") if ref else ()
+    refs = report.references or ((ref,) if ref else ())
+    against = (*(f"decode/{r}" for r in refs), f"prefill/{ref}") if ref else ()
     head = (
         "mode", "decode tok/s", "prefill tok/s", "e2e tok/s", "TTFT ms", "acc/round", "speedup", *against,
         *classes, "lossless", "ran",
@@ -36,12 +43,12 @@ def render_table(report: BenchReport) -> str:
             lossless = "n/a"
         elif m.lossless:
             lossless = "yes"
-        elif m.mode == ref:
+        elif m.mode in refs:
             lossless = "differs: " + ", ".join(f"{p}@{i}" for p, i in m.first_divergence.items())
         else:
             lossless = f"NO ({len(m.mismatched)})"
         ran = ", ".join(f"{name} {n}" for name, n in m.sources.items()) if set(m.sources) != {m.mode} else ""
-        ratios = (_times(m.decode_vs_reference), _times(m.prefill_vs_reference)) if ref else ()
+        ratios = (*(_decode_vs(m, r) for r in refs), _times(m.prefill_vs_reference)) if ref else ()
         rows.append(
             (
                 m.mode,
@@ -62,8 +69,13 @@ def render_table(report: BenchReport) -> str:
         f"{report.prompt_set.version}) × {report.trials} trials, {report.max_tokens} tokens, "
         f"temperature {report.temperature:g}; medians; per-class columns are speedups on that class"
     )
-    if ref:
+    if len(refs) == 1:
         title += f"; {ref} ran right after baseline on each prompt, ratios are paired per prompt (ours / {ref})"
+    elif refs:
+        title += (
+            f"; {', '.join(refs)} ran right after baseline on each prompt, ratios are paired per prompt "
+            f"(ours / theirs); the fastest reference is {ref}"
+        )
     return title + "\n" + "\n".join(_grid(rows)) + "\n" + render_auto(report)
 
 

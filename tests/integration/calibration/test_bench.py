@@ -8,6 +8,7 @@ import importlib.util
 import json
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -80,6 +81,7 @@ def test_bench_json_schema() -> None:
         "mode", "runs", "decode_tok_s", "e2e_tok_s", "ttft_s", "mean_accepted", "speedup", "lossless",
         "mismatched_prompts", "per_class_decode_tok_s", "per_class_speedup", "sources", "prefill_tok_s",
         "decode_vs_reference", "prefill_vs_reference", "per_class_decode_vs_reference", "first_divergence",
+        "vs_references",
     }  # fmt: skip
     for m in doc["modes"]:
         assert set(m) == keys
@@ -246,7 +248,7 @@ def test_a_reference_runs_right_after_the_baseline_with_paired_ratios() -> None:
     gens, model = generators()
     ref = ChargedReference()
     prompts = _prompts("code", 2)
-    report = run_bench(gens, prompts, trials=2, max_tokens=10, reference=ref, clock=model.target.clock)
+    report = run_bench(gens, prompts, trials=2, max_tokens=10, references=[ref], clock=model.target.clock)
     assert report.reference == "ref"
     assert [m.mode for m in report.modes] == ["baseline", "ref", "dspark"]
     # Per prompt and trial, back to back: ours, the reference, then the other modes.
@@ -277,10 +279,43 @@ def test_a_reference_runs_right_after_the_baseline_with_paired_ratios() -> None:
     assert "decode/ref" in table and "prefill/ref" in table and "prefill tok/s" in table
 
 
+class NamedReference(ChargedReference):
+    def __init__(self, name: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.name = name
+
+
+def test_several_references_pair_each_and_headline_the_fastest() -> None:
+    gens, model = generators()
+    slow, fast = NamedReference("slow", step_s=0.04), NamedReference("fast", step_s=0.01)
+    report = run_bench(gens, _prompts("code", 2), trials=1, max_tokens=10, references=[slow, fast],
+                       clock=model.target.clock)  # fmt: skip
+    assert report.references == ("slow", "fast") and report.reference == "fast"
+    assert [m.mode for m in report.modes] == ["baseline", "slow", "fast", "dspark"]
+    assert [r.mode for r in report.runs[:4]] == ["baseline", "slow", "fast", "dspark"]
+    by = {m.mode: m for m in report.modes}
+    for m in report.modes:
+        assert set(m.vs_references) == {"slow", "fast"}
+        # The same runs against a reference 4x slower: every paired ratio 4x higher.
+        assert m.vs_references["slow"].decode == pytest.approx(4 * m.vs_references["fast"].decode, rel=1e-3)
+        assert m.decode_vs_reference == m.vs_references["fast"].decode
+        assert m.per_class_vs_reference == m.vs_references["fast"].per_class
+    assert by["fast"].decode_vs_reference == pytest.approx(1.0)
+    doc = json.loads(json.dumps(report_json(report)))
+    assert doc["reference"] == "fast" and doc["references"] == ["slow", "fast"]
+    slow_base = by["baseline"].vs_references["slow"].decode
+    assert doc["modes"][0]["vs_references"]["slow"]["decode"] == pytest.approx(slow_base)
+    table = render_table(report)
+    assert "decode/slow" in table and "decode/fast" in table and "prefill/fast" in table
+    assert "the fastest reference is fast" in table
+    with pytest.raises(ValueError, match="distinct"):
+        run_bench(gens, _prompts("code", 1), trials=1, max_tokens=4, references=[slow, NamedReference("slow")])
+
+
 def test_a_reference_that_diverges_reports_where() -> None:
     gens, model = generators()
     report = run_bench(
-        gens, _prompts("math", 2), trials=1, max_tokens=8, reference=ChargedReference(garble_at=3),
+        gens, _prompts("math", 2), trials=1, max_tokens=8, references=[ChargedReference(garble_at=3)],
         clock=model.target.clock,
     )  # fmt: skip
     by = {m.mode: m for m in report.modes}
@@ -293,7 +328,7 @@ def test_a_reference_that_diverges_reports_where() -> None:
 def test_a_reference_needs_greedy() -> None:
     gens, _ = generators()
     with pytest.raises(Exception, match="greedy"):
-        run_bench(gens, _prompts("chat", 1), trials=1, max_tokens=4, temperature=0.7, reference=ChargedReference())
+        run_bench(gens, _prompts("chat", 1), trials=1, max_tokens=4, temperature=0.7, references=[ChargedReference()])
 
 
 def test_prefill_alone_at_each_length_against_the_reference() -> None:

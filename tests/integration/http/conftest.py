@@ -39,7 +39,7 @@ class LiveServer:
         self.loader.target.responder = responder  # type: ignore[assignment]
 
 
-def _serve(app: object, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]:
+def _serve(app: object, *, wait_s: float = 10.0, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms Nagle stalls on keep-alive
@@ -49,15 +49,16 @@ def _serve(app: object, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(400):  # wait (bounded) for the server and the engine
+    deadline = time.monotonic() + wait_s
+    while True:  # wait (bounded) for the server and the engine
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test server did not become healthy")
         time.sleep(0.025)
-    else:
-        raise RuntimeError("the test server did not become healthy")
     try:
         yield base, server
     finally:
