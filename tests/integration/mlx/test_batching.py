@@ -11,7 +11,7 @@ import asyncio
 import functools
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -245,9 +245,12 @@ def test_rotating_and_recurrent_targets_have_no_batched_form(family: str) -> Non
     assert batch_backend(MlxTargetModel(_model(family))) is None
 
 
-def test_the_engine_thread_batches_concurrent_jobs() -> None:
-    reqs = requests(4, sampled=True, seed=9)
-    engine = EngineThread(lambda: service("llama"), max_batch=4, batch_backend=batch_backend)
+def engine_streams(
+    make: Callable[[], GenerationService], reqs: list[GenerationRequest]
+) -> tuple[list[tuple[int, ...]], Any]:
+    """The token ids each request streams when all are submitted at once to a batching engine thread, and the
+    engine's batcher (for its counters)."""
+    engine = EngineThread(make, max_batch=4, batch_backend=batch_backend)
     engine.start()
     assert engine.wait_ready(30)
 
@@ -262,7 +265,13 @@ def test_the_engine_thread_batches_concurrent_jobs() -> None:
         outs = asyncio.run(main())
     finally:
         engine.stop(timeout=10)
-    assert engine._batcher is not None and engine._batcher.widest > 1
+    return outs, engine._batcher
+
+
+def test_the_engine_thread_batches_concurrent_jobs() -> None:
+    reqs = requests(4, sampled=True, seed=9)
+    outs, batcher = engine_streams(lambda: service("llama"), reqs)
+    assert batcher is not None and batcher.widest > 1
     assert outs == [solo("llama", r)[0] for r in reqs]
 
 

@@ -32,7 +32,7 @@ from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import SamplingParams
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.integration.drafters import helpers
-from tests.integration.mlx.test_batching import IdTokenizer, Job, push
+from tests.integration.mlx.test_batching import IdTokenizer, Job, engine_streams, push
 
 VOCAB = helpers.VOCAB
 BLOCK = 4
@@ -253,26 +253,7 @@ def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_leve
 
 
 def test_the_engine_thread_batches_concurrent_speculative_jobs() -> None:
-    import asyncio
-
-    from mlx_dspark.application.engine import EngineThread
-    from mlx_dspark.application.generation import TextChunk
-
     reqs = requests(3, sampled=True, seed=40)
-    engine = EngineThread(lambda: service("dspark"), max_batch=4, batch_backend=batch_backend)
-    engine.start()
-    assert engine.wait_ready(30)
-
-    async def one(req: GenerationRequest) -> tuple[int, ...]:
-        job = engine.submit(lambda g: g.stream(req))
-        return tuple(t for item in [i async for i in job] if isinstance(item, TextChunk) for t in item.token_ids)
-
-    async def main() -> list[tuple[int, ...]]:
-        return await asyncio.gather(*(one(r) for r in reqs))
-
-    try:
-        outs = asyncio.run(main())
-    finally:
-        engine.stop(timeout=10)
-    assert engine._batcher is not None and engine._batcher.widest > 1 and engine._batcher.drafting_steps > 0
+    outs, batcher = engine_streams(lambda: service("dspark"), reqs)
+    assert batcher is not None and batcher.widest > 1 and batcher.drafting_steps > 0
     assert outs == [solo("dspark", r).token_ids for r in reqs]
