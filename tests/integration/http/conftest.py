@@ -39,7 +39,7 @@ class LiveServer:
         self.loader.target.responder = responder  # type: ignore[assignment]
 
 
-def _serve(app: object, *, wait_s: float = 10.0, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]:
+def _serve(app: object, *, wait_s: float = 300.0, **flags: object) -> Iterator[tuple[str, uvicorn.Server]]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms Nagle stalls on keep-alive
@@ -50,7 +50,7 @@ def _serve(app: object, *, wait_s: float = 10.0, **flags: object) -> Iterator[tu
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + wait_s
-    while True:  # wait (bounded) for the server and the engine
+    while True:  # wait (bounded) for the server and the engine: a real model loads slowly on a shared 2-core CI
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 break
