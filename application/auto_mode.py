@@ -108,7 +108,6 @@ def race(
 @attrs.define
 class _Candidate:
     source: DraftSource | None
-    policy: CapPolicy | None  # kept across requests, so a MeasuredCap keeps what it learned
     rate: float  # EWMA of observed decode tokens/s, seeded from the race
     race: float  # what the race measured (the fixed prior of seeded requests)
 
@@ -122,9 +121,10 @@ class AutoSelector:
     pauses a loser and re-probes it with exponential backoff, so the request converges to the best of
     {plain, each source}. The running source's cap policy (a MeasuredCap on the calibrated curves) may
     pause it too: the request then leaves it at once. Between requests the selector keeps each
-    candidate's measured rate (an EWMA seeded with the race: the next request's priors), its cap
-    policy, and the backoff of a candidate that kept losing, so a loser is not re-probed at the start of
-    every request; the next request starts on the candidate that did best on the last one.
+    candidate's measured rate (an EWMA seeded with the race: the next request's priors) and the backoff
+    of a candidate that kept losing, so a loser is not re-probed at the start of every request; the next
+    request starts on the candidate that did best on the last one. Cap policies are fresh per request,
+    as in fixed modes.
 
     Seeded sampling must repeat token for token, and the uniforms a round draws depend on which source
     runs it, so a seeded request decides on modelled costs instead of wall time: the calibrated curves'
@@ -150,7 +150,6 @@ class AutoSelector:
         self._candidates = {
             name: _Candidate(
                 source=src,
-                policy=policies[name]() if src is not None else None,
                 rate=float(rates.get(name, 0.0)),
                 race=float(rates.get(name, 0.0)),
             )
@@ -188,6 +187,12 @@ class AutoSelector:
         cand = self._candidates[name]
         return Selection(name=name, source=cand.source, policy=policy, switched=switched, switcher=switcher)
 
+    def _fresh_policy(self, name: str) -> CapPolicy | None:
+        """A new cap policy for one request, as fixed modes get. One kept across requests learned a low
+        acceptance on hard prompts and then drafted 1-2 tokens a round on easy ones: a cap never drafted
+        past never measures those positions again."""
+        return self._factories[name]() if self._candidates[name].source is not None else None
+
     def _fold(self, name: str, observed: float) -> None:
         cand = self._candidates[name]
         cand.rate = observed if cand.rate <= 0 else cand.rate + self._alpha * (observed - cand.rate)
@@ -211,8 +216,7 @@ class AutoSelector:
             )
         self._last = start
         if not self._in_request or len(self._candidates) < 2:
-            cand = self._candidates[start]
-            return self._selection(start, cand.policy, switched, None)
+            return self._selection(start, self._fresh_policy(start), switched, None)
         arbiter = SourceArbiter(
             list(self._candidates), start=start, priors=priors, plain=self.plain, carried=carried, config=self._config
         )
@@ -275,10 +279,7 @@ class _RequestSwitcher:
         if cand.source is None:
             return None
         if name not in self._caps:
-            # Seeded: a fresh policy per request (one carried over would have learned from other requests).
-            inner = self._owner._factories[name]() if self._seeded else cand.policy
-            if inner is None:
-                inner = FixedCap(cand.source.max_block)
+            inner = self._owner._fresh_policy(name) or FixedCap(cand.source.max_block)
             model = _modelled_seconds(self._owner._curves.get(name)) if self._seeded else None
             self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block), model)
         return self._caps[name]

@@ -197,3 +197,27 @@ def test_a_cap_policy_that_pauses_its_source_moves_the_request_at_once() -> None
     rounds = [e for e in events if isinstance(e, RoundFinished)]
     # One round of it (drafting at the probe floor, not a plain round under its name), then plain decoding.
     assert rounds[0].drafted == 2 and not rounds[1].drafted
+
+
+def test_a_hard_request_does_not_shrink_the_next_requests_drafts() -> None:
+    """Each request's cap policy starts fresh, as a fixed mode's does: one carried over from a prompt where
+    only first drafts held drafted one token a round on the next, easy prompt: a cap never drafted past
+    never measures the positions after it again."""
+    clock = ManualClock()
+    # Costs shaped like the default model on the CPU: a draft costs a fifth of a step, a wide verify more.
+    target = TimedTarget(clock, lambda w, d: 0.10 + 0.004 * w)
+    hard = [True]
+    src = TimedSource(
+        target, lambda cap: 0.02 + 0.002 * cap, right=lambda r, i: i == 0 or not hard[0], block=6, name="spec"
+    )
+    curves = {
+        "spec": CostCurves(verify_s={1: 0.104, 7: 0.128}, draft_s={1: 0.022, 6: 0.032}),
+        PLAIN: CostCurves(verify_s={1: 0.104, 7: 0.128}),
+    }
+    policies = {"spec": cap_policy_factory(None, curves["spec"], 6)}
+    selector = AutoSelector({"spec": src, PLAIN: None}, policies, {"spec": 40.0, PLAIN: 19.0}, curves=curves)
+    one_request(selector, target, clock, n=200)  # only first drafts right: its cap policy learns cap 1
+    hard[0] = False
+    _, events = one_request(selector, target, clock)
+    drafted = [e.drafted for e in events if isinstance(e, RoundFinished) and e.source == "spec"]
+    assert drafted[0] == 6 and sum(d == 6 for d in drafted) >= len(drafted) // 2
