@@ -22,7 +22,7 @@ from mlx_dspark.application.generation import GenerationRequest
 from mlx_dspark.application.modes import bench_runners
 from mlx_dspark.domain.events import Finished, RoundFinished, SourceSwitched
 from mlx_dspark.domain.tokens import SamplingParams
-from mlx_dspark.entrypoints.cli.common import start_with_model
+from mlx_dspark.entrypoints.cli.common import MODEL_FLAGS, start_with_model
 
 
 class _Recorder:
@@ -72,18 +72,8 @@ def main() -> int:
     p.add_argument("--modes", default="baseline,dspark,dflash,lookup,auto")
     p.add_argument("--model", default="default")
     args = p.parse_args()
-    ns = argparse.Namespace(
-        model=args.model,
-        drafter=None,
-        drafter_bits=None,
-        max_draft=None,
-        confidence_threshold=None,
-        trust_remote_code=False,
-        cache_dir=None,
-        prefix_cache_bytes=None,
-        prefix_cache_dir=None,
-        log_level="warning",
-    )
+    flags = {**dict.fromkeys(MODEL_FLAGS), "model": args.model, "trust_remote_code": False, "log_level": "warning"}
+    ns = argparse.Namespace(**flags)
     settings, services, model = start_with_model(ns)
     modes = args.modes.split(",")
     runners = bench_runners(services, settings, model, modes, lambda m: None)
