@@ -279,7 +279,7 @@ class _RequestSwitcher:
         if cand.source is None:
             return None
         if name not in self._caps:
-            inner = self._owner._fresh_policy(name) or FixedCap(cand.source.max_block)
+            inner = self._owner._factories[name]()  # fresh per request, as fixed modes get
             model = _modelled_seconds(self._owner._curves.get(name)) if self._seeded else None
             self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block), model)
         return self._caps[name]

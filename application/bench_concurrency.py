@@ -152,32 +152,6 @@ def run_concurrency_modes(
     return [p for p in points if p.concurrency in levels or p.concurrency == 1]
 
 
-def run_concurrency_bench(
-    generator: GenerationService,
-    backend: BatchBackend,
-    prompts: Sequence[str],
-    clock: Clock,
-    *,
-    levels: Sequence[int] = (1, 2, 4, 8),
-    max_tokens: int = 128,
-    temperature: float = 0.0,
-    seed: int = 0,
-    progress: Callable[[str, float], None] | None = None,
-) -> list[ConcurrencyPoint]:
-    """Measure each level of one service in order (1 is always measured first: the baseline of the ratios)."""
-    return run_concurrency_modes(
-        {generator.mode: generator},
-        backend,
-        prompts,
-        clock,
-        levels=levels,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
-        progress=progress,
-    )
-
-
 def render_concurrency(points: Sequence[ConcurrencyPoint]) -> str:
     modes = list(dict.fromkeys(p.mode for p in points))
     several = len(modes) > 1

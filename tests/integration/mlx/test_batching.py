@@ -276,12 +276,14 @@ def test_the_engine_thread_batches_concurrent_jobs() -> None:
 
 
 def test_concurrency_bench_measures_each_level_against_one_request() -> None:
-    from mlx_dspark.application.bench_concurrency import run_concurrency_bench
+    from mlx_dspark.application.bench_concurrency import run_concurrency_modes
 
     gen = service("llama")
     backend = batch_backend(gen.model.target)
     assert backend is not None
-    points = run_concurrency_bench(gen, backend, ["abcdefgh", "hello there"], FakeClock(), levels=(1, 3), max_tokens=6)
+    points = run_concurrency_modes(
+        {gen.mode: gen}, backend, ["abcdefgh", "hello there"], FakeClock(), levels=(1, 3), max_tokens=6
+    )
     assert [p.concurrency for p in points] == [1, 3]
     assert [p.widest_batch for p in points] == [1, 3]
     assert points[0].speedup == 1.0 and all(p.lossless for p in points)

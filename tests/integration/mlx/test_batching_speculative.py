@@ -32,6 +32,7 @@ from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import SamplingParams
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.integration.drafters import helpers
+from tests.integration.mlx import test_batching as plain_rig
 from tests.integration.mlx.test_batching import IdTokenizer, Job, engine_streams, push
 
 VOCAB = helpers.VOCAB
@@ -95,21 +96,8 @@ def solo(kind: str, request: GenerationRequest, policy: Callable[[], CapPolicy] 
 
 
 def run_batched(gen: GenerationService, jobs: list[Job], *, join_every: int, max_batch: int = 8) -> BatchScheduler:
-    backend = batch_backend(gen.model.target)
-    assert backend is not None and batchable(gen)
-    scheduler = BatchScheduler(backend, gen, max_batch=max_batch, push=push)
-    waiting = list(jobs[1:])
-    calls = 0
-
-    def take() -> Job | None:
-        nonlocal calls
-        calls += 1
-        return waiting.pop(0) if waiting and calls % join_every == 0 else None
-
-    scheduler.run(jobs[0], take)
-    while waiting:
-        scheduler.run(waiting.pop(0), take)
-    return scheduler
+    assert batchable(gen)
+    return plain_rig.run_batched(gen, jobs, max_batch=max_batch, join_every=join_every)
 
 
 def assert_like_solo(job: Job, want: Any) -> None:
