@@ -17,10 +17,11 @@ Speculative fixed modes (lookup, DFlash, DSpark) batch too: each lane drafts wit
 service's draft source (its own n-gram index or drafter context, the weights shared), on the engine thread,
 and every row's block is verified in the tick's one forward (rows of different block lengths padded; the
 backend masks and rolls back each row on its own). Per batch width the scheduler asks the calibrated cost
-curves (`domain/costmodel/batch.py`) whether speculation still pays; where it does not, rows whose cap
-policy adapts (`--max-draft auto`) take plain batched steps — lossless — while a fixed `--max-draft N` is
-obeyed at every width (its seeded sampled output stays the solo one). Each decision is a
-`BatchSpeculation` event. Auto mode still runs one request at a time.
+curves (`domain/costmodel/batch.py`) whether speculation still pays and at which cap: while two or more
+rows share the batch, that plan sets the cap of every row whose policy adapts (`--max-draft auto`; 0 means
+plain batched steps, lossless), since a row's round is then one shared tick and its solo cost model would
+misread it. A fixed `--max-draft N` is obeyed at every width (its seeded sampled output stays the solo one).
+Each decision is a `BatchSpeculation` event. Auto mode still runs one request at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import structlog
 
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
-from mlx_dspark.domain.costmodel.batch import BatchPlan, forward_seconds, plan_batch
+from mlx_dspark.domain.costmodel.batch import BatchPlan, batch_tick_seconds, plan_batch
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, RoundTimeCorrection
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
@@ -46,6 +47,10 @@ from mlx_dspark.domain.verification.outcome import Acceptance
 
 _GREEDY = SamplingParams()
 _EXPLORE_EVERY = 16  # while speculating, one plain tick in this many (with observed forwards)
+_PROBE_CAP = 2  # drafts per row on a probe tick while the batch decodes plainly
+# The pooled acceptance estimate's weight per row-round: a few ticks of real rounds outweigh the prior (a
+# batch's run may be a few dozen ticks, and the prior's 0.7 is far above a weak drafter's).
+_BATCH_ALPHA = 0.2
 TELEMETRY_ID = "batch"  # the request id the scheduler's BatchStepped events carry (they belong to no request)
 _log = structlog.get_logger("mlx_dspark.batching")
 
@@ -321,25 +326,33 @@ class RowDraftSource:
 
 
 class _Gate:
-    """The scheduler's current width decision, read by every lane's adaptive cap policy."""
+    """The scheduler's cap for the next tick, read by every lane's adaptive cap policy.
+
+    None: each row's own policy decides (a lone row, or no calibrated curves). A number: the batch's plan
+    decides for every row, since a batched round costs one shared forward, not the row's own solo round.
+    """
 
     def __init__(self) -> None:
-        self.speculate = True
+        self.cap: int | None = None
 
 
 @attrs.define
 class _GatedCap:
-    """A lane's adaptive cap policy, paused while the batch width makes speculation lose."""
+    """A lane's adaptive cap policy, overruled by the batch's plan while the batch decides."""
 
     inner: CapPolicy
     gate: _Gate
+    max_cap: int
 
     def cap(self, depth: int) -> int:
-        cap = self.inner.cap(depth)
-        return cap if self.gate.speculate else 0
+        if self.gate.cap is None:
+            return self.inner.cap(depth)
+        return min(self.gate.cap, self.max_cap)
 
     def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
-        if not drafted and not self.gate.speculate:  # a round the batch made plain says nothing about the cap
+        # A batched round's seconds are a shared tick's (every row's drafts, one wide forward): they say
+        # nothing about this row's solo round, so the row's own model learns only from its solo rounds.
+        if self.gate.cap is not None:
             return None
         return self.inner.observe(drafted, accepted, seconds, depth)
 
@@ -431,8 +444,8 @@ class BatchScheduler:
             cap policy, when it has them; without curves every row keeps its own cap policy).
         probe_every: while speculation is off, one tick in this many lets rows draft again, so the batch's
             acceptance estimate stays current.
-        observe_forwards: time every batched forward on the service's clock and correct the curves by what
-            forwards of each token count really take (the engine and bench do; tests on fake clocks do not).
+        observe_forwards: time every batched tick on the service's clock and correct the cost model by what
+            ticks of each token count really take (the engine and bench do; tests on fake clocks do not).
     """
 
     def __init__(
@@ -457,10 +470,11 @@ class BatchScheduler:
         self._gate = _Gate()
         self._curves = curves
         self._max_cap = 0
-        self._acceptance = EwmaAcceptance()  # the batch's drafts, all rows pooled (re-sized to the cap)
+        # The batch's drafts, all rows pooled (re-sized to the cap); every row of a tick adds one round.
+        self._acceptance = EwmaAcceptance(alpha=_BATCH_ALPHA)
         self._probe_every = probe_every
         self._clock = generator.clock if observe_forwards else None
-        self._correction = RoundTimeCorrection()  # observed ÷ predicted batched forward seconds, by tokens
+        self._correction = RoundTimeCorrection()  # observed ÷ predicted batched tick seconds, by tokens
         self._off_ticks = 0
         self._on_ticks = 0
         self._announced: tuple[int, bool] | None = None
@@ -520,8 +534,9 @@ class BatchScheduler:
             curves = getattr(inner, "curves", None)
             if self._curves is None and isinstance(curves, CostCurves):
                 self._curves = curves
-            self._max_cap = max(self._max_cap, int(getattr(inner, "max_cap", source.max_block)))
-            return _GatedCap(inner, self._gate)
+            max_cap = int(getattr(inner, "max_cap", source.max_block))
+            self._max_cap = max(self._max_cap, max_cap)
+            return _GatedCap(inner, self._gate, max_cap)
 
         return self._generator.on_target(lane.target, selector=FixedSelector(selector.name, source, policy))
 
@@ -563,6 +578,9 @@ class BatchScheduler:
         except Exception as exc:
             lane.resume(exc)
         else:
+            if call.kind == "solo-verify" and len(call.block) and isinstance(result, Acceptance):
+                # A lone row's rounds tell the batch's estimate what this drafter achieves before rows join.
+                self._acceptance.record(len(call.block), result.accepted)
             lane.resume(result)
         self._settle(lane)
 
@@ -575,17 +593,17 @@ class BatchScheduler:
                 call = lane.call_pending
 
     def _decide(self, width: int, depth: int) -> None:
-        """Open or close the gate for the next round of `width` rows, from the calibrated curves."""
+        """Set the cap of the next round of `width` rows from the calibrated curves (the gate)."""
         if self._curves is None or self._max_cap < 1:
             if self._announced is None and self._max_cap:
                 self._announce(BatchPlan(width=width, cap=self._max_cap, plain_tok_s=0.0, speculative_tok_s=0.0),
                                "uncalibrated")
-            self._gate.speculate = True
+            self._gate.cap = None
             return
         if self._acceptance.positions < self._max_cap:
-            self._acceptance = EwmaAcceptance(positions=self._max_cap)
+            self._acceptance = EwmaAcceptance(alpha=_BATCH_ALPHA, positions=self._max_cap)
         if width <= 1:  # alone, the row's own cap policy decides (it runs the same cost model)
-            self._gate.speculate = True
+            self._gate.cap = None
             return
         plan = plan_batch(
             self._curves,
@@ -602,11 +620,12 @@ class BatchScheduler:
             self._on_ticks += 1
             # Observing forwards: one plain tick in a while keeps the plain forward's own cost measured.
             explore = self._clock is not None and self._on_ticks % _EXPLORE_EVERY == 0
-            self._gate.speculate = not explore
+            self._gate.cap = 0 if explore else plan.cap
             return
         self._off_ticks += 1
         probe = self._probe_every > 0 and self._off_ticks % self._probe_every == 0
-        self._gate.speculate = probe  # a probe tick measures acceptance; it is not a decision
+        # A probe tick measures acceptance (and a drafting forward's cost); it is not a decision.
+        self._gate.cap = min(_PROBE_CAP, self._max_cap) if probe else 0
 
     def _announce(self, plan: BatchPlan, reason: str) -> None:
         self._announced = (plan.width, plan.speculate)
@@ -625,6 +644,7 @@ class BatchScheduler:
         """One tick; returns (solo rows decoded, rows that ran a prompt chunk, width of the batched forward,
         rows of it that verified drafts)."""
         solo = prefilled = 0
+        started = self._clock.now() if self._clock is not None else 0.0
         for lane in list(self._lanes):
             self._settle(lane)
         self._drafts()
@@ -680,7 +700,6 @@ class BatchScheduler:
         if len(stepping) != self._backend.width:  # every row in the batch waits for its verify between ticks
             raise RuntimeError(f"{len(stepping)} rows asked for a verify of a batch of {self._backend.width}")
         calls = {lane.row: lane.call_pending for lane in stepping}
-        started = self._clock.now() if self._clock is not None else 0.0
         try:
             verdicts = self._backend.verify(
                 {
@@ -696,9 +715,6 @@ class BatchScheduler:
                 lane.resume(exc)
                 self._settle(lane)
             return solo, prefilled, 0, 0
-        if self._clock is not None and self._curves is not None:
-            tokens = len(stepping) * (1 + max(len(c.block) for c in calls.values() if c is not None))
-            self._correction.record(tokens, self._clock.now() - started, forward_seconds(self._curves, tokens))
         self.steps += 1
         self.widest = max(self.widest, len(stepping))
         drafting = 0
@@ -718,5 +734,12 @@ class BatchScheduler:
         if self._backend.width:
             keep = {lane.row: lane.keep or 0 for lane in stepping if lane in self._lanes}
             self._backend.commit(keep)
+        if self._clock is not None and self._curves is not None and not (solo or prefilled):
+            # The whole tick (every row's draft, the forward, every lane's own work) against the model's
+            # uncorrected tick: what the next decisions rescale by. Ticks that also ran prompt chunks or a
+            # solo row's call would overstate it.
+            cap = max(len(c.block) for c in calls.values() if c is not None)
+            predicted = batch_tick_seconds(self._curves, len(stepping), cap, depth)
+            self._correction.record(len(stepping) * (1 + cap), self._clock.now() - started, predicted)
         return solo, prefilled, len(stepping), drafting
 

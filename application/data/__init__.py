@@ -66,6 +66,17 @@ def per_class(prompts: PromptSet, n: int) -> PromptSet:
     return attrs.evolve(prompts, prompts=tuple(kept))
 
 
+def interleaved(prompts: PromptSet) -> PromptSet:
+    """The prompts round-robin over their classes (in first-seen order): any first N mix the classes, as N
+    concurrent requests of a real server would, instead of the first class alone."""
+    by_class: dict[str, list[BenchPrompt]] = {}
+    for p in prompts.prompts:
+        by_class.setdefault(p.cls, []).append(p)
+    queues = list(by_class.values())
+    mixed = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return attrs.evolve(prompts, prompts=tuple(mixed))
+
+
 def _parse(text: str, origin: str) -> PromptSet:
     name, version = origin, "unversioned"
     prompts: list[BenchPrompt] = []

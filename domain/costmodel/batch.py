@@ -4,8 +4,8 @@ A batched tick of B rows that each verify `cap + 1` tokens is one forward of B·
 compute-bound device that costs about what one row's forward of that many tokens costs (the calibrated
 verify curve, extrapolated past its widths), while plain batched decoding pays a forward of B tokens for
 B tokens. Drafting runs per row. So speculation that wins alone can lose at high width, where the verify
-curve has turned linear: then the rows take plain batched steps (lossless either way). What batched forwards
-really take, by token count, corrects the curve as the batch runs.
+curve has turned linear: then the rows take plain batched steps (lossless either way). What whole batched
+ticks really take, by token count, corrects the model as the batch runs.
 """
 
 from __future__ import annotations
@@ -65,13 +65,15 @@ def batch_tick_seconds(
 ) -> float:
     """Seconds of one tick: drafting each row, one forward of width·(cap + 1) tokens, per-row context cost.
 
-    `correction` rescales the forward by what batched forwards of each token count really took (observed ÷
-    `forward_seconds`): calibration times one row, and a busy machine or a wide batch can differ a lot.
+    `correction` rescales the whole tick by what ticks of each token count really took (observed ÷ this
+    prediction without it): calibration times one row's forward and draft, while a batched tick also pays
+    every row's host work around them, and a busy machine or a wide batch can differ a lot.
     """
     rows = max(width, 1)
     tokens = rows * (cap + 1)
-    forward = forward_seconds(curves, tokens) * (correction.factor(tokens) if correction is not None else 1.0)
-    return rows * curves.draft(cap) + forward + rows * curves.slope_s_per_token * depth + curves.overhead_s
+    seconds = rows * curves.draft(cap) + forward_seconds(curves, tokens) + rows * curves.slope_s_per_token * depth
+    seconds += curves.overhead_s
+    return seconds * (correction.factor(tokens) if correction is not None else 1.0)
 
 
 def batch_rate(
@@ -108,7 +110,7 @@ def plan_batch(
         max_cap: the drafter's block (or the user's cap).
         depth: typical context depth of the rows.
         margin: the fraction speculation must win by (rates are estimates; a flapping decision costs).
-        correction: observed ÷ predicted seconds of batched forwards by token count (None: as calibrated).
+        correction: observed ÷ predicted seconds of whole batched ticks by token count (None: as calibrated).
     """
     plain = batch_rate(curves, width, 0, acceptance, depth, correction)
     best, best_rate = 0, 0.0

@@ -122,12 +122,13 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     from mlx_dspark.application import bootstrap
     from mlx_dspark.application.batching import batchable
     from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
-    from mlx_dspark.application.data import load_prompts
+    from mlx_dspark.application.data import interleaved, load_prompts
     from mlx_dspark.application.modes import bench_runners
     from mlx_dspark.domain.errors import InvalidRequest
 
     levels = _levels(args.concurrency)
-    prompts = [p.prompt for p in load_prompts(args.prompts).prompts]
+    # N concurrent requests take the first N prompts: mixed classes, not N of the first class.
+    prompts = [p.prompt for p in interleaved(load_prompts(args.prompts)).prompts]
     settings, services, model = start_with_model(args, bar.note)
     backend = bootstrap.batch_backend_factory()(model.target)
     if backend is None:

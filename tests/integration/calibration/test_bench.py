@@ -15,7 +15,7 @@ import pytest
 
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
 from mlx_dspark.application.bench import BENCH_SCHEMA, prefill_json, report_json, run_bench, run_prefill_bench
-from mlx_dspark.application.data import builtin_prompts, load_prompts, per_class
+from mlx_dspark.application.data import builtin_prompts, interleaved, load_prompts, per_class
 from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.application.ports import LoadedModel, ReferenceRun
@@ -359,3 +359,11 @@ def test_heldout_prompts_and_per_class_selection() -> None:
         load_prompts("heldout:poetry")
     with pytest.raises(InvalidRequest):
         per_class(held, 0)
+
+
+def test_interleaved_prompts_mix_the_classes_and_keep_every_prompt() -> None:
+    held = per_class(load_prompts("heldout"), 2)
+    mixed = interleaved(held)
+    assert [p.id for p in mixed.prompts] == ["chat-01", "code-01", "math-01", "chat-02", "code-02", "math-02"]
+    uneven = attrs.evolve(held, prompts=held.prompts[:3])  # chat-01, chat-02, code-01
+    assert [p.id for p in interleaved(uneven).prompts] == ["chat-01", "code-01", "chat-02"]

@@ -220,6 +220,46 @@ def test_the_width_decision_comes_from_the_curves_and_is_reported(curves: CostCu
         assert job.tokens() == solo("dspark", req, measured).token_ids
 
 
+class _TimidCap:
+    """An adaptive policy (calibrated curves, a max cap) that on its own drafts one token a round."""
+
+    def __init__(self, curves: CostCurves) -> None:
+        self.curves = curves
+        self.max_cap = BLOCK
+        self.observed: list[int] = []
+
+    def cap(self, depth: int) -> int:
+        return 1
+
+    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> None:
+        self.observed.append(drafted)
+
+
+def test_while_rows_share_the_batch_its_plan_sets_every_adaptive_rows_cap() -> None:
+    # FLAT: a wide forward costs about a narrow one, so the plan drafts the whole block at width 3. Each
+    # row's own policy (one draft a round) neither decides nor hears of the batched rounds' shared ticks.
+    policies: list[_TimidCap] = []
+
+    def timid() -> CapPolicy:
+        policies.append(_TimidCap(FLAT))
+        return policies[-1]
+
+    reqs = requests(3, sampled=False, seed=12, max_tokens=30)
+    jobs = [Job(r) for r in reqs]
+    gen = service("dspark", timid)
+    run_batched(gen, jobs, join_every=1, max_batch=3)
+    events = gen.telemetry.events  # type: ignore[attr-defined]
+    wide = [e for _, e in events if isinstance(e, BatchSpeculation) and e.width == 3]
+    assert wide and wide[0].speculate and wide[0].cap == BLOCK
+    rounds = [e for _, e in events if isinstance(e, RoundFinished)]
+    assert max(r.cap for r in rounds) == BLOCK and any(r.drafted > 1 for r in rounds)
+    heard = sum(len(p.observed) for p in policies[-3:])
+    assert heard < len(rounds) and all(d <= 1 for p in policies for d in p.observed)  # solo rounds only
+    for job, req in zip(jobs, reqs):  # greedy: lossless whatever the cap
+        assert job.ended == "end", job.error
+        assert job.tokens() == solo("dspark", req).token_ids
+
+
 def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_level() -> None:
     from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
 

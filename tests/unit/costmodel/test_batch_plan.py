@@ -68,14 +68,16 @@ def test_wide_forwards_past_the_calibrated_widths_follow_the_fit_not_a_noisy_las
     assert forward_seconds(flat, 64) == pytest.approx(0.1)  # a flat device (a GPU) stays flat
 
 
-def test_observed_wide_forwards_turn_speculation_off_and_cheap_ones_keep_it() -> None:
+def test_observed_ticks_turn_speculation_off_and_cheap_ones_keep_it() -> None:
     curves = CostCurves(verify_s={1: 0.10, 8: 0.12}, draft_s={c: 0.001 * c for c in range(1, BLOCK + 1)})
     assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK).speculate
     slow = RoundTimeCorrection(alpha=1.0)
-    slow.record(4, 0.12, forward_seconds(curves, 4))  # plain steps of 4 rows: as calibrated
-    slow.record(16, 0.60, forward_seconds(curves, 16))  # 4 rows x 4 tokens: 4x what calibration said
+    plain_tick, drafting_tick = batch_tick_seconds(curves, 4, 0), batch_tick_seconds(curves, 4, 3)
+    slow.record(4, plain_tick, plain_tick)  # plain ticks of 4 rows: as predicted
+    slow.record(16, 4 * drafting_tick, drafting_tick)  # 4 rows x (1 + 3 drafts): 4x the prediction
+    assert batch_tick_seconds(curves, 4, 3, correction=slow) == pytest.approx(4 * drafting_tick)
     plan = plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=slow)
     assert not plan.speculate
     fast = RoundTimeCorrection(alpha=1.0)
-    fast.record(16, forward_seconds(curves, 16), forward_seconds(curves, 16))
+    fast.record(16, drafting_tick, drafting_tick)
     assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=fast).speculate
