@@ -8,7 +8,9 @@ sampled: the same seed gives the same tokens).
 
 With several modes (`--modes baseline,dspark,lookup`) every level runs each mode back to back, plain
 decoding first, so each mode's ratio against batched plain decoding at the same N is paired in time
-(`run_concurrency_modes`); greedy runs also check each mode's first request against plain decoding's.
+(`run_concurrency_modes`); greedy runs also check each mode's first request against plain decoding's. Each mode
+keeps one scheduler over the levels, as a server keeps one: its width decisions start each level from what the
+earlier levels taught them.
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ def _measure(
     backend: BatchBackend,
     requests: Sequence[GenerationRequest],
     clock: Clock,
+    scheduler: BatchScheduler | None = None,
 ) -> tuple[list[_Job], float, float, int, int]:
     """Run the requests together: (jobs, decode tok/s, wall seconds, widest batch, drafting forwards)."""
     generator.model.target.reset(0)  # no prefix from the previous level
     jobs = [_Job(r, clock) for r in requests]
-    scheduler = BatchScheduler(backend, generator, max_batch=len(jobs), push=_push, observe_forwards=True)
+    if scheduler is None:
+        scheduler = BatchScheduler(backend, generator, max_batch=len(jobs), push=_push, observe_forwards=True)
+    scheduler.widest, drafted_before = 0, scheduler.drafting_steps
     start = clock.now()
     scheduler.run(jobs[0], _taker(jobs[1:]))
     wall = clock.now() - start
@@ -88,7 +93,7 @@ def _measure(
     last = max((j.stamps[-1][0] for j in jobs if j.stamps), default=all_started)
     after = sum(c for j in jobs for t, c in j.stamps if t > all_started)
     decode = after / (last - all_started) if last > all_started else 0.0
-    return jobs, decode, wall, max(scheduler.widest, 1), scheduler.drafting_steps
+    return jobs, decode, wall, max(scheduler.widest, 1), scheduler.drafting_steps - drafted_before
 
 
 def run_concurrency_modes(
@@ -107,6 +112,12 @@ def run_concurrency_modes(
     first: its decode tok/s at the same N is every other mode's `vs_baseline`."""
     order = sorted({1, *levels})
     modes = list(generators)
+    # One scheduler per mode for every level, as the engine keeps one for its life: what its width decisions
+    # learned (pooled acceptance, tick costs by width) carries from one level to the next.
+    schedulers = {
+        mode: BatchScheduler(backend, gen, max_batch=max(order), push=_push, observe_forwards=True)
+        for mode, gen in generators.items()
+    }
 
     def request(i: int) -> GenerationRequest:
         sampling = SamplingParams(temperature=temperature, seed=seed + i)
@@ -122,7 +133,7 @@ def run_concurrency_modes(
             if progress is not None:
                 progress(f"{mode} at {n} concurrent", (k * len(modes) + m) / steps)
             jobs, decode, wall, widest, drafting = _measure(
-                generators[mode], backend, [request(i) for i in range(n)], clock
+                generators[mode], backend, [request(i) for i in range(n)], clock, schedulers[mode]
             )
             if mode not in reference:
                 reference[mode], base[mode] = jobs[0].tokens, decode

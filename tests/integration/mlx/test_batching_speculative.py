@@ -269,15 +269,17 @@ def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_leve
     assert backend is not None
     modes = {"baseline": plain, "dspark": spec}
     prompts = ["abcabcabc", "hello hello"]
-    points = run_concurrency_modes(modes, backend, prompts, FakeClock(), levels=(1, 3), max_tokens=8)
-    assert [(p.mode, p.concurrency) for p in points] == [(m, n) for n in (1, 3) for m in modes]
+    points = run_concurrency_modes(modes, backend, prompts, FakeClock(), levels=(1, 3, 2), max_tokens=8)
+    assert [(p.mode, p.concurrency) for p in points] == [(m, n) for n in (1, 2, 3) for m in modes]
     assert all(p.lossless for p in points)  # greedy: every mode's first request gives plain decoding's tokens
-    assert [p.widest_batch for p in points] == [1, 1, 3, 3]
-    assert points[0].vs_baseline == points[2].vs_baseline == 1.0 and points[3].drafting_steps > 0
-    plain3, spec3 = points[2].decode_tokens_per_second, points[3].decode_tokens_per_second
-    assert points[3].vs_baseline == pytest.approx(spec3 / plain3)
+    # One scheduler per mode serves every level; each level still reports its own widest batch and forwards.
+    assert [p.widest_batch for p in points] == [1, 1, 2, 2, 3, 3]
+    assert points[0].vs_baseline == points[4].vs_baseline == 1.0 and points[5].drafting_steps > 0
+    assert points[3].drafting_steps > 0
+    plain3, spec3 = points[4].decode_tokens_per_second, points[5].decode_tokens_per_second
+    assert points[5].vs_baseline == pytest.approx(spec3 / plain3)
     table = render_concurrency(points)
-    assert "x vs plain" in table and table.count("dspark") == 2
+    assert "x vs plain" in table and table.count("dspark") == 3
 
 
 def test_the_engine_thread_batches_concurrent_speculative_jobs() -> None:
