@@ -72,16 +72,14 @@ def _taker(jobs: Sequence[_Job]) -> Callable[[], _Job | None]:
 
 def _measure(
     generator: GenerationService,
-    backend: BatchBackend,
     requests: Sequence[GenerationRequest],
     clock: Clock,
-    scheduler: BatchScheduler | None = None,
+    scheduler: BatchScheduler,
 ) -> tuple[list[_Job], float, float, int, int]:
-    """Run the requests together: (jobs, decode tok/s, wall seconds, widest batch, drafting forwards)."""
+    """Run the requests together on the mode's scheduler: (jobs, decode tok/s, wall seconds, widest batch,
+    drafting forwards of this run)."""
     generator.model.target.reset(0)  # no prefix from the previous level
     jobs = [_Job(r, clock) for r in requests]
-    if scheduler is None:
-        scheduler = BatchScheduler(backend, generator, max_batch=len(jobs), push=_push, observe_forwards=True)
     scheduler.widest, drafted_before = 0, scheduler.drafting_steps
     start = clock.now()
     scheduler.run(jobs[0], _taker(jobs[1:]))
@@ -133,7 +131,7 @@ def run_concurrency_modes(
             if progress is not None:
                 progress(f"{mode} at {n} concurrent", (k * len(modes) + m) / steps)
             jobs, decode, wall, widest, drafting = _measure(
-                generators[mode], backend, [request(i) for i in range(n)], clock, schedulers[mode]
+                generators[mode], [request(i) for i in range(n)], clock, schedulers[mode]
             )
             if mode not in reference:
                 reference[mode], base[mode] = jobs[0].tokens, decode
