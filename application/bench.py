@@ -25,9 +25,10 @@ from mlx_dspark.application.generation import (
 )
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel, ReferenceDecoder, ReferenceRun
 from mlx_dspark.domain.costmodel.curves import CostCurves
+from mlx_dspark.domain.costmodel.prefill import prefill_bound_tok_s
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.ports import Clock, DraftSource
+from mlx_dspark.domain.ports import Clock, DraftSource, ForwardCostProbe
 from mlx_dspark.domain.tokens import SamplingParams
 
 BENCH_SCHEMA = "mlx-dspark/bench/5"  # 4: auto per class vs plain and the best fixed mode; 5: several references
@@ -154,6 +155,9 @@ class PrefillPoint:
         ratio: median over trials of ours ÷ the reference's, paired per trial.
         same_first_token: both produced the same first (greedy) token in every trial.
         ours_s: our prefill seconds per trial; reference_s the reference's.
+        bound_tok_s: the GEMM-bound limit at this length (the target's GEMM work at its best GEMM rate
+            timed just before), None where the target cannot count it.
+        of_bound: ours_tok_s ÷ bound_tok_s.
     """
 
     tokens: int
@@ -163,6 +167,8 @@ class PrefillPoint:
     same_first_token: bool | None
     ours_s: tuple[float, ...]
     reference_s: tuple[float, ...] = ()
+    bound_tok_s: float | None = None
+    of_bound: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -538,10 +544,12 @@ def run_prefill_bench(
     ours(warm)
     if reference is not None:
         theirs(warm)
+    probe = model.target if isinstance(model.target, ForwardCostProbe) else None
     points = []
     total, done = len(fit) * trials, 0
     for n in fit:
         ids = synthetic_prompt(n, model.target.vocab_size, seed=n)
+        bound = prefill_bound_tok_s(n, probe.forward_cost(), probe.gemm_flops_per_s()) if probe else None
         mine: list[float] = []
         other: list[float] = []
         same = True
@@ -566,6 +574,8 @@ def run_prefill_bench(
                 same_first_token=same if reference is not None else None,
                 ours_s=tuple(mine),
                 reference_s=tuple(other),
+                bound_tok_s=bound,
+                of_bound=ours_rate / bound if bound else None,
             )
         )
     model.target.reset(0)
@@ -585,6 +595,8 @@ def prefill_json(points: Sequence[PrefillPoint], reference: str | None) -> dict[
                 "same_first_token": p.same_first_token,
                 "ours_s": list(p.ours_s),
                 "reference_s": list(p.reference_s),
+                "gemm_bound_tok_s": p.bound_tok_s,
+                "prefill_vs_gemm_bound": p.of_bound,
             }
             for p in points
         ],

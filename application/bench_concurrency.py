@@ -21,7 +21,13 @@ from typing import Any
 import attrs
 
 from mlx_dspark.application.batching import BatchBackend, BatchScheduler
-from mlx_dspark.application.generation import GenerationRequest, GenerationService, TextChunk
+from mlx_dspark.application.generation import (
+    GenerationDone,
+    GenerationRequest,
+    GenerationResult,
+    GenerationService,
+    TextChunk,
+)
 from mlx_dspark.domain.ports import Clock
 from mlx_dspark.domain.tokens import SamplingParams
 
@@ -39,6 +45,8 @@ class ConcurrencyPoint:
     mode: str = "baseline"
     vs_baseline: float = 1.0  # decode tok/s over plain decoding at the same N, measured just before
     drafting_steps: int = 0  # batched forwards in which some row verified drafts
+    rounds: int = 0  # decode rounds over every request (a plain step is a round)
+    tokens_per_round: float = 0.0  # committed per round, bonus included, the prefill token excluded
 
 
 class _Job:
@@ -49,6 +57,7 @@ class _Job:
         self.stamps: list[tuple[float, int]] = []  # (time, tokens) per pushed chunk
         self.tokens: list[int] = []
         self.error: BaseException | None = None
+        self.result: GenerationResult | None = None
 
     def work(self, generator: GenerationService) -> Any:
         return generator.stream(self.request)
@@ -61,6 +70,8 @@ def _push(job: _Job, kind: str, value: Any) -> None:
     if kind == "item" and isinstance(value, TextChunk) and value.token_ids:
         job.stamps.append((job.clock.now(), len(value.token_ids)))
         job.tokens.extend(value.token_ids)
+    elif kind == "item" and isinstance(value, GenerationDone):
+        job.result = value.result
     elif kind == "error":
         job.error = value
 
@@ -141,6 +152,9 @@ def run_concurrency_modes(
             if temperature == 0.0 and m:  # greedy: every mode must give plain decoding's tokens
                 lossless = lossless and jobs[0].tokens == reference[modes[0]]
             generated = sum(len(j.tokens) for j in jobs)
+            results = [j.result for j in jobs if j.result is not None]
+            rounds = sum(r.rounds for r in results)
+            committed = sum(r.mean_accepted * r.rounds for r in results)
             points.append(
                 ConcurrencyPoint(
                     concurrency=n,
@@ -154,6 +168,8 @@ def run_concurrency_modes(
                     mode=mode,
                     vs_baseline=decode / plain_rate if plain_rate > 0 else 0.0,
                     drafting_steps=drafting,
+                    rounds=rounds,
+                    tokens_per_round=committed / rounds if rounds else 0.0,
                 )
             )
     if progress is not None:
@@ -164,13 +180,13 @@ def run_concurrency_modes(
 def render_concurrency(points: Sequence[ConcurrencyPoint]) -> str:
     modes = list(dict.fromkeys(p.mode for p in points))
     several = len(modes) > 1
-    head = "concurrent  decode tok/s  x vs 1  e2e tok/s  widest  tokens  lossless"
+    head = "concurrent  decode tok/s  x vs 1  e2e tok/s  widest  tokens  tok/round  lossless"
     lines = [f"{'mode':<10}  {head}  x vs plain  drafting" if several else head]
     for p in points:
         row = (
             f"{p.concurrency:>10}  {p.decode_tokens_per_second:>12.1f}  {p.speedup:>6.2f}"
             f"  {p.end_to_end_tokens_per_second:>9.1f}  {p.widest_batch:>6}  {p.generated_tokens:>6}"
-            f"  {'yes' if p.lossless else 'NO':>8}"
+            f"  {p.tokens_per_round:>9.2f}  {'yes' if p.lossless else 'NO':>8}"
         )
         lines.append(f"{p.mode:<10}  {row}  {p.vs_baseline:>10.2f}  {p.drafting_steps:>8}" if several else row)
     return "\n".join(lines) + "\n"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from mlx_dspark.domain.costmodel.prefill import ForwardCost
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.events import TelemetryEvent
 from mlx_dspark.domain.tokens import SamplingParams
@@ -36,6 +37,15 @@ class CacheState(Protocol):
     def min_length(self) -> int:
         """The shortest prefix it can be cut back to exactly (0 for plain KV, `length` for recurrent state)."""
         ...
+
+
+@runtime_checkable
+class ForwardCostProbe(Protocol):
+    """A target that counts its forward's GEMM work and times its own GEMM: the prefill bench's limit."""
+
+    def forward_cost(self) -> ForwardCost: ...
+
+    def gemm_flops_per_s(self) -> float: ...
 
 
 class TargetModel(Protocol):

@@ -1,14 +1,16 @@
-"""CPU-device kernels for wide forwards: NumPy's vectorised `exp` instead of MLX's scalar one.
+"""CPU-device kernels for wide forwards: vectorised `exp` instead of MLX's scalar one, and RoPE from one table.
 
 MLX's CPU backend evaluates transcendental functions one element at a time (~25-30 ns each on the 2-core
-dev machine), so a prefill chunk spends most of its time in attention's softmax and the MLP's SiLU
-(measured per 512-token chunk and layer at 4k context: 0.74 s of CPU for MLX's SDPA against 0.27 s here;
-SiLU 24 ms against ~4 ms). While the target runs a forward (`active()`), on the CPU device only, for
-float32 and above a size where the host round trip pays, these calls go through NumPy:
-`mx.fast.scaled_dot_product_attention` (no mask or the "causal" mask, no sinks) and mlx-lm's `swiglu`
-in the model's own modules (`install`). Everything else goes to MLX unchanged; GPUs never see it.
+dev machine), so a prefill chunk spends most of its time in attention's softmax, the MLP's SiLU and RoPE's
+cos/sin, not in its GEMMs. While the target runs a forward (`active()`), on the CPU device only, for
+float32 and above a size where the host round trip pays, these calls are served here:
+`mx.fast.scaled_dot_product_attention` (no mask or the "causal" mask, no sinks) and mlx-lm's `swiglu` in the
+model's own modules (`install`) go through NumPy GEMMs with numba-compiled softmax and SiLU loops
+(`cpu_jit`; NumPy's own `exp` where numba is missing), and `mx.fast.rope` with an int offset rotates by one
+cos/sin table per chunk that MLX's own kernel computes (bit for bit what it would use). Everything else goes
+to MLX unchanged; GPUs never see it.
 
-Both kernels split their work over one worker thread per core (NumPy's exp, reductions and small GEMMs
+Attention and SwiGLU split their work over one worker thread per core (NumPy's reductions and small GEMMs
 otherwise run on one core; OpenBLAS runs a GEMM this small on one thread anyway): each worker sets its
 own OpenBLAS to one thread, so two workers never share a BLAS pool. Results equal MLX's within float32
 rounding (tests bound the difference). Plain steps (one query row)
@@ -24,6 +26,7 @@ import ctypes
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,10 +36,12 @@ import numpy as np
 
 MIN_SWIGLU = 1 << 16  # gate elements below which MLX's own SiLU is as fast
 MIN_SCORES = 1 << 18  # query rows x keys x heads below which MLX's own kernel is as fast
+MIN_ROPE = 1 << 15  # rotated elements below which MLX's own RoPE is as fast
 QUERY_TILE = 64  # query rows per NumPy tile: its scores stay in the last-level cache
 MAX_WORKERS = 8  # attention worker threads at most (one per core below that)
 
 _ORIGINAL = mx.fast.scaled_dot_product_attention
+_ORIGINAL_ROPE = mx.fast.rope
 _state = threading.local()
 
 
@@ -86,6 +91,7 @@ class _Tiles:
     ) -> None:
         self.qn, self.kn, self.vn, self.out, self.scale, self.causal = qn, kn, vn, out, scale, causal
         self.group = qn.shape[1] // kn.shape[1]
+        self.jit = jit()
 
     def run(self, tiles: list[tuple[int, int, int]]) -> None:
         qn, kn, vn, group = self.qn, self.kn, self.vn, self.group
@@ -98,7 +104,19 @@ class _Tiles:
             tile = stop - start
             end = offset + stop if self.causal else lk  # keys any query of this tile may see
             queries = (heads[:, start:stop] * self.scale).reshape(group * tile, d)
-            scores = (queries @ keys[:end].T).reshape(group, tile, end)  # one GEMM for the group
+            if self.jit is not None:
+                # One GEMM for the group into this worker's scratch (a fresh buffer costs page faults).
+                scores = _scratch(group * tile * end).reshape(group * tile, end)
+                np.matmul(queries, keys[:end].T, out=scores)
+                diag = end - tile if self.causal else end  # columns every row of the tile sees
+                seen = scores[:, :diag].max(axis=1) if diag else np.full(group * tile, -np.inf, np.float32)
+                totals = np.empty(group * tile, dtype=np.float32)
+                self.jit.softmax_rows(scores, seen, diag, tile, self.causal, totals)
+                block = scores @ values[:end]
+                block /= totals[:, None]
+                self.out[bi, h * group : (h + 1) * group, start:stop] = block.reshape(group, tile, -1)
+                continue
+            scores = (queries @ keys[:end].T).reshape(group, tile, end)
             if self.causal:
                 rows = np.arange(offset + start, offset + stop)[:, None]
                 cols = np.arange(end - tile, end)[None, :]
@@ -109,6 +127,40 @@ class _Tiles:
             block = (scores.reshape(group * tile, end) @ values[:end]).reshape(group, tile, -1)
             block /= total
             self.out[bi, h * group : (h + 1) * group, start:stop] = block
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's reusable float32 buffer of at least `size` elements (grown, never shrunk, while a
+    forward runs on it)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.buf = np.empty(size, dtype=np.float32)
+    return buf[:size]
+
+
+_JIT: list[Any] = []
+_JIT_LOCK = threading.Lock()
+_WARMING: list[threading.Thread] = []
+
+
+def jit() -> Any:
+    """`cpu_jit`'s compiled loops, loaded once per process; None where numba is missing or fails to build
+    for this CPU (the NumPy path serves then, with a warning)."""
+    with _JIT_LOCK:
+        if not _JIT:
+            loops = None
+            try:
+                from mlx_dspark.adapters.mlx import cpu_jit
+
+                cpu_jit.warm()
+                loops = cpu_jit
+            except Exception as exc:  # ImportError, or LLVM refusing this CPU
+                warnings.warn(f"CPU kernels without numba ({exc!r}): NumPy's exp serves", RuntimeWarning, stacklevel=2)
+            _JIT.append(loops)
+        return _JIT[0]
 
 
 class _Pool:
@@ -125,8 +177,9 @@ _POOL_LOCK = threading.Lock()
 
 def _after_fork() -> None:
     """A forked child has none of the parent's workers (and maybe a held lock): it starts its own."""
-    global _POOL_LOCK  # noqa: PLW0603 - reset once per forked process
+    global _POOL_LOCK, _JIT_LOCK  # noqa: PLW0603 - reset once per forked process
     _POOL_LOCK = threading.Lock()
+    _JIT_LOCK = threading.Lock()
     _POOL.clear()
 
 
@@ -177,13 +230,73 @@ def _sdpa(
     return attention(q, k, v, scale=scale, causal=mask is not None)
 
 
+def _rope(
+    a: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: Any,
+    freqs: Any = None,
+    **kwargs: Any,
+) -> mx.array:
+    if (
+        kwargs
+        or getattr(_state, "depth", 0) == 0
+        or not isinstance(offset, int)  # per-row offsets (a batch) stay on MLX
+        or a.dtype != mx.float32
+        or a.ndim < 3
+        or dims % 2
+        or a.size < MIN_ROPE
+    ):
+        return _ORIGINAL_ROPE(a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+    cos, sin = _rope_table(a.ndim, a.shape[-2], dims, traditional, base, scale, offset, freqs)
+    half = dims // 2
+    if traditional:  # rotates consecutive pairs
+        pairs = a[..., :dims].reshape(*a.shape[:-1], half, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        rotated = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(*a.shape[:-1], dims)
+    else:  # rotates the first half against the second
+        x1, x2 = a[..., :half], a[..., half:dims]
+        rotated = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return rotated if dims == a.shape[-1] else mx.concatenate([rotated, a[..., dims:]], axis=-1)
+
+
+def _rope_table(
+    ndim: int, length: int, dims: int, traditional: bool, base: float | None, scale: float, offset: int, freqs: Any
+) -> tuple[mx.array, mx.array]:
+    """cos and sin of this chunk's angles, [1, ..., length, dims / 2], from MLX's own kernel (so its exact
+    bits): it rotates (1, 0) pairs. Every layer of a forward asks for the same table, q and k alike."""
+    key = (ndim, length, dims, traditional, base, scale, offset)
+    cached = getattr(_state, "rope", None)
+    if cached is not None and cached[0] == key and cached[1] is freqs:
+        return cached[2]
+    half = dims // 2
+    ones, zeros = mx.ones((length, half, 1)), mx.zeros((length, half, 1))
+    unit = mx.concatenate([ones, zeros], axis=-1 if traditional else 1).reshape(*([1] * (ndim - 2)), length, dims)
+    both = _ORIGINAL_ROPE(unit, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+    if traditional:
+        pairs = both.reshape(*both.shape[:-1], half, 2)
+        table = (pairs[..., 0], pairs[..., 1])
+    else:
+        table = (both[..., :half], both[..., half:])
+    _state.rope = (key, freqs, table)
+    return table
+
+
 def _numpy_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     g = np.asarray(gate).reshape(-1, gate.shape[-1])
     xs = np.asarray(x).reshape(-1, x.shape[-1])
     out = np.empty_like(g)
 
+    loops = jit()
+
     def rows(part: slice) -> None:
         o = out[part]
+        if loops is not None:
+            loops.swiglu(g[part].reshape(-1), xs[part].reshape(-1), o.reshape(-1))
+            return
         np.exp(-g[part], out=o)
         o += 1
         np.divide(g[part], o, out=o)  # silu(g) = g / (1 + e^-g)
@@ -222,7 +335,11 @@ def install(model: Any) -> None:
     generate in the same process)."""
     if not on_cpu():
         return
+    if not _JIT and not _WARMING:  # numba and its cached loops (~1 s) load beside the model, not in a prefill
+        _WARMING.append(threading.Thread(target=jit, name="mlx-dspark-jit", daemon=True))
+        _WARMING[0].start()
     mx.fast.scaled_dot_product_attention = _sdpa
+    mx.fast.rope = _rope
     names = {type(model).__module__}
     for layer in getattr(getattr(model, "model", model), "layers", None) or ():
         names.add(type(layer).__module__)

@@ -17,10 +17,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state, cpu_kernels
+from mlx_dspark.adapters.mlx import cache_state, cpu_kernels, forward_cost
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, greedy_accept, pick_token
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
+from mlx_dspark.domain.costmodel.prefill import ForwardCost
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import SamplingParams
@@ -319,6 +320,14 @@ class MlxTargetModel:
         else:
             self._fresh()
         return self._offset
+
+    def forward_cost(self) -> ForwardCost:
+        """The decoder layers' GEMM work per token (the prefill bench's limit)."""
+        return forward_cost.forward_cost(self._layers)
+
+    def gemm_flops_per_s(self) -> float:
+        """This model's widest projection, timed at the prefill chunk's width, now."""
+        return forward_cost.gemm_flops_per_s(self._layers, self._prefill_chunk)
 
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
         """Append `tokens` to the cache in chunks and return the first argmax or sampled token."""

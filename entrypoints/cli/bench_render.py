@@ -104,7 +104,8 @@ def render_auto(report: BenchReport) -> str:
 def render_prefill(model: str, points: Sequence[PrefillPoint], reference: str | None) -> str:
     """The `--prefill-lengths` table: prefill tok/s per prompt length, ours and the reference's."""
     theirs_head = (f"{reference} tok/s", f"ours/{reference}", "same 1st token") if reference else ()
-    head = ("tokens", "ours tok/s", *theirs_head)
+    bound = any(p.bound_tok_s for p in points)
+    head = ("tokens", "ours tok/s", *theirs_head, *(("GEMM bound tok/s", "ours/bound") if bound else ()))
     rows = [head]
     for p in points:
         theirs = (
@@ -116,7 +117,12 @@ def render_prefill(model: str, points: Sequence[PrefillPoint], reference: str | 
             if reference
             else ()
         )
-        rows.append((str(p.tokens), f"{p.ours_tok_s:.1f}", *theirs))
+        limit = (
+            (f"{p.bound_tok_s:.1f}" if p.bound_tok_s else "n/a", f"{p.of_bound:.2f}" if p.of_bound else "n/a")
+            if bound
+            else ()
+        )
+        rows.append((str(p.tokens), f"{p.ours_tok_s:.1f}", *theirs, *limit))
     title = f"{model}: prefill alone (synthetic ids, cold cache, prefix cache off), medians over trials"
     return title + "\n" + "\n".join(_grid(rows)) + "\n"
 

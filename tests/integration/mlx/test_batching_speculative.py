@@ -278,8 +278,12 @@ def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_leve
     assert points[3].drafting_steps > 0
     plain3, spec3 = points[4].decode_tokens_per_second, points[5].decode_tokens_per_second
     assert points[5].vs_baseline == pytest.approx(spec3 / plain3)
+    # Rounds and tokens per round come from each request's own result: plain steps commit one token each.
+    for p in points:  # every request's tokens after its prefill token came out of its rounds
+        assert p.rounds > 0 and p.tokens_per_round * p.rounds == pytest.approx(p.generated_tokens - p.concurrency)
+        assert p.tokens_per_round == 1.0 if p.mode == "baseline" else p.rounds < p.generated_tokens - p.concurrency
     table = render_concurrency(points)
-    assert "x vs plain" in table and table.count("dspark") == 3
+    assert "x vs plain" in table and "tok/round" in table and table.count("dspark") == 3
 
 
 def test_the_engine_thread_batches_concurrent_speculative_jobs() -> None:

@@ -130,8 +130,12 @@ def test_prefill_lengths_time_ours_against_mlx_lm(tiny_bench: TinyLoader, capsys
         assert p["same_first_token"] is True
         assert len(p["ours_s"]) == len(p["reference_s"]) == 2
         assert p["prefill_tok_s"] > 0 and p["reference_prefill_tok_s"] > 0 and p["prefill_vs_reference"] > 0
+        # The real target counts its GEMM work and times its own GEMM: the limit is reported beside ours.
+        assert p["gemm_bound_tok_s"] > 0
+        assert p["prefill_vs_gemm_bound"] == pytest.approx(p["prefill_tok_s"] / p["gemm_bound_tok_s"])
     assert bench.main(["--prefill-lengths", "32", "--trials", "1", "--quiet"]) == 0
-    assert "ours/mlx-lm" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "ours/mlx-lm" in table and "ours/bound" in table
 
 
 def test_the_reference_port_needs_an_mlx_lm_module() -> None:
