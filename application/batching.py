@@ -718,10 +718,15 @@ class BatchScheduler:
         self.steps += 1
         self.widest = max(self.widest, len(stepping))
         drafting = 0
+        offered = self._gate.cap  # what this tick's adaptive rows were asked to draft (None: their own policies)
         for r, c in calls.items():
             if c is not None and len(c.block):
                 drafting += 1
                 self._acceptance.record(len(c.block), verdicts[r][0].accepted)
+            elif c is not None and offered:
+                # Asked to draft and found nothing (lookup without a match, a confidence cut to zero): the row
+                # still commits one token for the widened forward, as if its first draft had been rejected.
+                self._acceptance.record(1, 0)
         self.drafting_steps += drafting > 0
         # The next round's caps are chosen as the lanes resume: decide for this width first.
         depth = sum(lane.target.cached_tokens for lane in stepping if lane.target is not None) // len(stepping)

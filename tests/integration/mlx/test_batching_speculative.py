@@ -54,12 +54,12 @@ def _drafter_dir(kind: str) -> Path:
     return helpers.write_dspark(root, _target_model())
 
 
-def service(kind: str, policy: Callable[[], CapPolicy] | None = None) -> GenerationService:
+def service(kind: str, policy: Callable[[], CapPolicy] | None = None, *, min_n: int = 1) -> GenerationService:
     model = _target_model()
     target = MlxTargetModel(model, prefill_chunk=4)
     source: Any
     if kind == "lookup":
-        source = LookupDraftSource(block=BLOCK, min_n=1, max_n=3)
+        source = LookupDraftSource(block=BLOCK, min_n=min_n, max_n=max(3, min_n))
     else:
         source = load_drafter(kind, str(_drafter_dir(kind)), model, target=target, bits=0)
     loaded = LoadedModel(
@@ -218,6 +218,26 @@ def test_the_width_decision_comes_from_the_curves_and_is_reported(curves: CostCu
     for job, req in zip(jobs, reqs):  # greedy: lossless whatever the decision
         assert job.ended == "end", job.error
         assert job.tokens() == solo("dspark", req, measured).token_ids
+
+
+def test_rows_that_are_offered_a_cap_and_draft_nothing_count_as_misses_in_the_batch_plan() -> None:
+    # A lookup whose n-grams are longer than any prompt never drafts. Offered caps it cannot use, every row
+    # commits one token per tick: the pooled estimate must learn that, or the plan keeps widening the forward
+    # for nothing (the rows that do find a match make all the others pay for their blocks).
+    def measured() -> CapPolicy:
+        return MeasuredCap(curves=FLAT, max_cap=BLOCK)
+
+    gen = service("lookup", measured, min_n=64)
+    reqs = requests(3, sampled=False, seed=12, max_tokens=30)
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(gen, jobs, join_every=1, max_batch=3)
+    wide = [e for _, e in gen.telemetry.events if isinstance(e, BatchSpeculation) and e.width == 3]  # type: ignore[attr-defined]
+    assert wide[0].speculate  # the prior first: drafting looks worth it on a flat curve
+    assert not wide[-1].speculate  # then the rows' empty rounds taught it otherwise
+    assert scheduler._acceptance.estimate()[0] < 0.1
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        assert job.result().drafted == 0
 
 
 class _TimidCap:
