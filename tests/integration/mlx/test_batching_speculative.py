@@ -235,7 +235,7 @@ def test_rows_that_are_offered_a_cap_and_draft_nothing_count_as_misses_in_the_ba
     assert wide[0].speculate  # the prior first: drafting looks worth it on a flat curve
     assert not wide[-1].speculate  # then the rows' empty rounds taught it otherwise
     assert scheduler._acceptance.estimate()[0] < 0.1
-    for job, req in zip(jobs, reqs):
+    for job in jobs:
         assert job.ended == "end", job.error
         assert job.result().drafted == 0
 
