@@ -48,6 +48,7 @@ from mlx_dspark.domain.verification.outcome import Acceptance
 _GREEDY = SamplingParams()
 _EXPLORE_EVERY = 16  # while speculating, one plain tick in this many (with observed forwards)
 _PROBE_CAP = 2  # drafts per row on a probe tick while the batch decodes plainly
+_PROBE_BACKOFF_MAX = 16  # the wait between probes grows to at most this many times `probe_every`
 # The pooled acceptance estimate's weight per row-round: a few ticks of real rounds outweigh the prior (a
 # batch's run may be a few dozen ticks, and the prior's 0.7 is far above a weak drafter's).
 _BATCH_ALPHA = 0.2
@@ -343,16 +344,20 @@ class _GatedCap:
     inner: CapPolicy
     gate: _Gate
     max_cap: int
+    planned: bool = False  # whether the batch's plan chose this row's last cap
 
     def cap(self, depth: int) -> int:
+        self.planned = self.gate.cap is not None
         if self.gate.cap is None:
             return self.inner.cap(depth)
         return min(self.gate.cap, self.max_cap)
 
     def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
         # A batched round's seconds are a shared tick's (every row's drafts, one wide forward): they say
-        # nothing about this row's solo round, so the row's own model learns only from its solo rounds.
-        if self.gate.cap is not None:
+        # nothing about this row's solo round, so the row's own model learns only from its solo rounds. The
+        # gate may have changed since the round's cap was chosen (the batch shrank to one): what counts is who
+        # chose it.
+        if self.planned:
             return None
         return self.inner.observe(drafted, accepted, seconds, depth)
 
@@ -443,7 +448,8 @@ class BatchScheduler:
         curves: the calibrated cost curves for the width decision (default: those of the service's adaptive
             cap policy, when it has them; without curves every row keeps its own cap policy).
         probe_every: while speculation is off, one tick in this many lets rows draft again, so the batch's
-            acceptance estimate stays current.
+            acceptance estimate stays current; each probe that leaves it off doubles the wait (up to
+            `_PROBE_BACKOFF_MAX` times), since at high width a probe tick costs several plain ones.
         observe_forwards: time every batched tick on the service's clock and correct the cost model by what
             ticks of each token count really take (the engine and bench do; tests on fake clocks do not).
     """
@@ -473,6 +479,8 @@ class BatchScheduler:
         # The batch's drafts, all rows pooled (re-sized to the cap); every row of a tick adds one round.
         self._acceptance = EwmaAcceptance(alpha=_BATCH_ALPHA)
         self._probe_every = probe_every
+        self._probe_wait = probe_every  # off ticks until the next probe (grows while probes say "off")
+        self._probed = False  # whether the tick just decided was a probe
         self._clock = generator.clock if observe_forwards else None
         self._correction = RoundTimeCorrection()  # observed ÷ predicted batched tick seconds, by tokens
         self._off_ticks = 0
@@ -607,7 +615,9 @@ class BatchScheduler:
             return
         plan = plan_batch(
             self._curves,
-            self._acceptance.estimate(),
+            # One standard error below the pooled estimate: at widths where speculation wins by a few percent
+            # at best, an estimate from a handful of noisy ticks must not switch it on.
+            self._acceptance.lower(),
             width,
             self._max_cap,
             depth=depth,
@@ -618,12 +628,19 @@ class BatchScheduler:
         if plan.speculate:
             self._off_ticks = 0
             self._on_ticks += 1
+            self._probe_wait = self._probe_every
+            self._probed = False
             # Observing forwards: one plain tick in a while keeps the plain forward's own cost measured.
             explore = self._clock is not None and self._on_ticks % _EXPLORE_EVERY == 0
             self._gate.cap = 0 if explore else plan.cap
             return
+        if self._probed:  # the probe's rounds are in and speculation stays off: wait longer for the next
+            self._probe_wait = min(self._probe_wait * 2, self._probe_every * _PROBE_BACKOFF_MAX)
         self._off_ticks += 1
-        probe = self._probe_every > 0 and self._off_ticks % self._probe_every == 0
+        probe = self._probe_every > 0 and self._off_ticks >= self._probe_wait
+        if probe:
+            self._off_ticks = 0
+        self._probed = probe
         # A probe tick measures acceptance (and a drafting forward's cost); it is not a decision.
         self._gate.cap = min(_PROBE_CAP, self._max_cap) if probe else 0
 

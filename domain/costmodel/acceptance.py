@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 
@@ -51,14 +53,28 @@ class EwmaAcceptance:
     alpha: float = 0.1
     positions: int = 16
     values: list[float] = attrs.field(init=False)
+    seen: list[int] = attrs.field(init=False)  # outcomes recorded per position
 
     def __attrs_post_init__(self) -> None:
         self.values = [self.prior] * self.positions
+        self.seen = [0] * self.positions
 
     def record(self, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, accepted + 1, self.positions)):
             hit = 1.0 if i < accepted else 0.0
             self.values[i] += self.alpha * (hit - self.values[i])
+            self.seen[i] += 1
 
     def estimate(self) -> list[float]:
         return list(self.values)
+
+    def lower(self, z: float = 1.0) -> list[float]:
+        """The estimate less `z` standard errors per position: an EWMA weighs about (2 - α) / α outcomes
+        (fewer while it has seen fewer; the prior counts as one), so a noisy estimate cannot carry a choice
+        that wins only on the margin."""
+        window = (2.0 - self.alpha) / self.alpha
+        out = []
+        for value, seen in zip(self.values, self.seen):
+            n = min(float(seen), window) + 1.0
+            out.append(max(0.0, value - z * math.sqrt(value * (1.0 - value) / n)))
+        return out

@@ -81,3 +81,25 @@ def test_observed_ticks_turn_speculation_off_and_cheap_ones_keep_it() -> None:
     fast = RoundTimeCorrection(alpha=1.0)
     fast.record(16, drafting_tick, drafting_tick)
     assert plan_batch(curves, [0.7] * BLOCK, 4, BLOCK, correction=fast).speculate
+
+
+def test_the_lower_acceptance_bound_tightens_as_outcomes_come_in_and_stays_below_the_estimate() -> None:
+    from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
+
+    est = EwmaAcceptance(alpha=0.2, positions=2)
+    first = est.lower()
+    assert all(lo < v for lo, v in zip(first, est.estimate()))
+    gaps = []
+    for _ in range(12):
+        est.record(2, 1)  # the first draft taken, the second rejected
+        gaps.append(est.estimate()[0] - est.lower()[0])
+    assert gaps[-1] < gaps[0] and min(est.lower()) >= 0.0
+    assert est.lower(z=0.0) == est.estimate()
+    # On a knee-shaped curve a width-4 batch's plan at the measured ~0.4 first-draft acceptance wins by a few
+    # percent at best; one standard error below it, the batch decodes plainly.
+    noisy = EwmaAcceptance(alpha=0.2, positions=4)
+    for hit in [1, 0, 1, 0, 0, 1, 0, 0, 1, 0]:
+        noisy.record(1, hit)
+    knee = CostCurves(verify_s={1: 0.105, 4: 0.123, 8: 0.119}, draft_s={c: 0.0092 for c in range(1, 5)})
+    assert plan_batch(knee, [0.45, 0.55, 0.73, 0.5], 4, 4).speculate
+    assert not plan_batch(knee, noisy.lower(), 4, 4).speculate
