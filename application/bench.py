@@ -545,11 +545,13 @@ def run_prefill_bench(
     if reference is not None:
         theirs(warm)
     probe = model.target if isinstance(model.target, ForwardCostProbe) else None
+    cost = probe.forward_cost() if probe else None
     points = []
     total, done = len(fit) * trials, 0
     for n in fit:
         ids = synthetic_prompt(n, model.target.vocab_size, seed=n)
-        bound = prefill_bound_tok_s(n, probe.forward_cost(), probe.gemm_flops_per_s()) if probe else None
+        # The GEMM rate is timed before each length: a busy machine between lengths shows in its own limit.
+        bound = prefill_bound_tok_s(n, cost, probe.gemm_flops_per_s()) if probe and cost else None
         mine: list[float] = []
         other: list[float] = []
         same = True

@@ -112,21 +112,18 @@ class _Tiles:
                 seen = scores[:, :diag].max(axis=1) if diag else np.full(group * tile, -np.inf, np.float32)
                 totals = np.empty(group * tile, dtype=np.float32)
                 self.jit.softmax_rows(scores, seen, diag, tile, self.causal, totals)
-                block = scores @ values[:end]
-                block /= totals[:, None]
-                self.out[bi, h * group : (h + 1) * group, start:stop] = block.reshape(group, tile, -1)
-                continue
-            scores = (queries @ keys[:end].T).reshape(group, tile, end)
-            if self.causal:
-                rows = np.arange(offset + start, offset + stop)[:, None]
-                cols = np.arange(end - tile, end)[None, :]
-                scores[:, :, end - tile :][:, cols > rows] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            total = scores.sum(axis=-1, keepdims=True)
-            block = (scores.reshape(group * tile, end) @ values[:end]).reshape(group, tile, -1)
-            block /= total
-            self.out[bi, h * group : (h + 1) * group, start:stop] = block
+            else:
+                scores = queries @ keys[:end].T  # one GEMM for the group
+                if self.causal:
+                    rows = np.arange(offset + start, offset + stop)[:, None]
+                    cols = np.arange(end - tile, end)[None, :]
+                    scores.reshape(group, tile, end)[:, :, end - tile :][:, cols > rows] = -np.inf
+                scores -= scores.max(axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                totals = scores.sum(axis=-1)
+            block = scores @ values[:end]
+            block /= totals[:, None]
+            self.out[bi, h * group : (h + 1) * group, start:stop] = block.reshape(group, tile, -1)
 
 
 _SCRATCH = threading.local()
