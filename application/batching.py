@@ -26,6 +26,7 @@ Each decision is a `BatchSpeculation` event. Auto mode still runs one request at
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -34,14 +35,20 @@ import attrs
 import structlog
 
 from mlx_dspark.application.generation import GenerationService
-from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
-from mlx_dspark.domain.costmodel.batch import BatchPlan, batch_tick_seconds, plan_batch
+from mlx_dspark.domain.costmodel.acceptance import DecayedAcceptance
+from mlx_dspark.domain.costmodel.batch import (
+    BatchDraftCost,
+    BatchPlan,
+    TickCorrection,
+    batch_tick_seconds,
+    plan_batch,
+)
 from mlx_dspark.domain.costmodel.curves import CostCurves
-from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, RoundTimeCorrection
+from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.selection import FixedSelector
 from mlx_dspark.domain.events import BatchSpeculation, BatchStepped
-from mlx_dspark.domain.ports import DraftSource, RollbackKind, TargetModel
+from mlx_dspark.domain.ports import DraftSource, RollbackKind, RowsDraftSource, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
@@ -49,9 +56,6 @@ _GREEDY = SamplingParams()
 _EXPLORE_EVERY = 16  # while speculating, one plain tick in this many (with observed forwards)
 _PROBE_CAP = 2  # drafts per row on a probe tick while the batch decodes plainly
 _PROBE_BACKOFF_MAX = 16  # the wait between probes grows to at most this many times `probe_every`
-# The pooled acceptance estimate's weight per row-round: a few ticks of real rounds outweigh the prior (a
-# batch's run may be a few dozen ticks, and the prior's 0.7 is far above a weak drafter's).
-_BATCH_ALPHA = 0.2
 TELEMETRY_ID = "batch"  # the request id the scheduler's BatchStepped events carry (they belong to no request)
 _log = structlog.get_logger("mlx_dspark.batching")
 
@@ -129,6 +133,17 @@ class _Call:
     run: Callable[[], Any] | None = None  # the serial target call of a solo row, or the draft call
     block: DraftBlock = EMPTY_BLOCK
     uniforms: tuple[float, ...] = ()
+    propose: _Propose | None = None  # a draft call's proposal, for drafting together with other rows
+
+
+@attrs.frozen
+class _Propose:
+    """A lane's `propose`: its fork of the draft source, its context (features not yet joined), cap, sampling."""
+
+    source: DraftSource
+    ctx: DraftContext
+    cap: int
+    sampling: SamplingParams
 
 
 @attrs.frozen
@@ -161,7 +176,9 @@ class RowTarget:
         self.solo = solo
         self._backend = backend
         self._ids: list[int] = []
-        self._verified: list[int] | None = None  # [anchor, drafts...] of the verify awaiting its commit
+        # The anchor and block of the verify awaiting its commit. Its drafts are read at the commit, once the
+        # scheduler has read them on the engine thread: a lane's thread never waits on the device itself.
+        self._verified: tuple[int, DraftBlock] | None = None
         self._verified_features: Any = None
         self._features: list[tuple[Any, int | None]] = []  # committed rows' features not yet taken
         self.capture = False  # whether this request reads target features (set by reset)
@@ -226,7 +243,7 @@ class RowTarget:
             kind = "solo-verify"
             run = lambda: solo.verify(anchor, block, sampling, uniforms, ahead=ahead)  # noqa: E731
         call = _Call(kind, [anchor], sampling, uniforms[0], run, block=block, uniforms=tuple(uniforms))
-        self._verified = [anchor, *block.tokens]
+        self._verified = (anchor, block)
         result = self._lane.call(call)
         if isinstance(result, _Verdict):  # verified in the batch (a solo row may have moved in meanwhile)
             self._verified_features = result.features
@@ -235,14 +252,14 @@ class RowTarget:
         return result
 
     def commit(self, keep_rows: int) -> None:
-        verified, self._verified = self._verified, None
-        if verified is None:
+        pending, self._verified = self._verified, None
+        if pending is None:
             raise RuntimeError("commit without a verify")
         if self.solo is not None:
             solo = self.solo
             self._solo(lambda: solo.commit(keep_rows))
             return
-        self._ids.extend(verified[:keep_rows])
+        self._ids.extend([pending[0], *pending[1].tokens][:keep_rows])
         if self._verified_features is not None and keep_rows:
             self._features.append((self._verified_features, keep_rows))
         self._verified_features = None
@@ -316,14 +333,18 @@ class RowDraftSource:
         self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
     ) -> DraftBlock:
         def run() -> DraftBlock:
-            features = ctx.features
-            if isinstance(features, FeatureRows):
-                features = self._join(features.chunks)
-            own = attrs.evolve(ctx, features=features)
-            return self._inner.propose(own, cap, sampling, uniforms).truncated(cap)
+            return self._inner.propose(joined(ctx, self._join), cap, sampling, uniforms).truncated(cap)
 
-        block: DraftBlock = self._lane.call(_Call("draft", [], _GREEDY, 0.0, run))
+        propose = _Propose(self._inner, ctx, cap, sampling)
+        block: DraftBlock = self._lane.call(_Call("draft", [], _GREEDY, 0.0, run, propose=propose))
         return block
+
+
+def joined(ctx: DraftContext, join: Callable[[Any], Any]) -> DraftContext:
+    """`ctx` with a batched row's FeatureRows joined into the one features array its draft source reads."""
+    if isinstance(ctx.features, FeatureRows):
+        return attrs.evolve(ctx, features=join(ctx.features.chunks))
+    return ctx
 
 
 class _Gate:
@@ -477,20 +498,22 @@ class BatchScheduler:
         self._curves = curves
         self._max_cap = 0
         # The batch's drafts, all rows pooled (re-sized to the cap); every row of a tick adds one round.
-        self._acceptance = EwmaAcceptance(alpha=_BATCH_ALPHA)
+        self._acceptance = DecayedAcceptance()
         self._probe_every = probe_every
         self._probe_wait = probe_every  # off ticks until the next probe (grows while probes say "off")
         self._probed = False  # whether the tick just decided was a probe
         self._clock = generator.clock if observe_forwards else None
-        self._correction = RoundTimeCorrection()  # observed ÷ predicted batched tick seconds, by tokens
+        self._correction = TickCorrection()  # observed ÷ predicted batched tick seconds, by width and cap
+        self._draft_cost = BatchDraftCost()  # what drafting rows together costs, by width
         self._off_ticks = 0
         self._on_ticks = 0
-        self._announced: tuple[int, bool] | None = None
+        self._announced: tuple[int, int] | None = None  # the last reported (width, cap)
         self.steps = 0  # batched forwards
         self.widest = 0
         self.migrations = 0  # solo rows moved into the batch
         self.drafting_steps = 0  # batched forwards in which some row verified drafts
-        self.decisions: list[BatchPlan] = []  # every width decision, in order (also emitted as telemetry)
+        # The latest width decisions that changed the width or the cap, in order (also emitted as telemetry).
+        self.decisions: collections.deque[BatchPlan] = collections.deque(maxlen=256)
 
     @property
     def active(self) -> int:
@@ -593,15 +616,69 @@ class BatchScheduler:
         self._settle(lane)
 
     def _drafts(self) -> None:
-        """Every lane waiting on its draft source drafts now (then it waits for its verify)."""
-        for lane in list(self._lanes):
-            call = lane.call_pending
-            while call is not None and call.kind == "draft" and lane in self._lanes:
-                self._run(lane, call)
-                call = lane.call_pending
+        """Every lane waiting on its draft source drafts now (then it waits for its verify): greedy rows of a
+        source that drafts rows together in one call, the others one by one."""
+        while True:
+            waiting = [
+                lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "draft"
+            ]
+            if not waiting:
+                return
+            together = [lane for lane in waiting if self._drafts_with_others(lane.call_pending)]
+            if len(together) > 1:
+                self._propose_rows(together)
+                continue
+            call = waiting[0].call_pending
+            assert call is not None
+            self._run(waiting[0], call)
 
-    def _decide(self, width: int, depth: int) -> None:
-        """Set the cap of the next round of `width` rows from the calibrated curves (the gate)."""
+    def _rows_source(self) -> RowsDraftSource | None:
+        """The service's draft source when its forks draft together."""
+        selector = self._generator.selector
+        source = selector.source if isinstance(selector, FixedSelector) else None
+        return source if isinstance(source, RowsDraftSource) else None
+
+    def _drafts_with_others(self, call: _Call | None) -> bool:
+        return (
+            call is not None
+            and call.propose is not None
+            and call.propose.sampling.greedy  # a sampled row's q is part of its seeded output: it drafts alone
+            and self._rows_source() is not None
+        )
+
+    def _propose_rows(self, lanes: list[Lane]) -> None:
+        """One batched draft call for greedy `lanes`; what it cost (its drafts read back, as the verify would
+        read them) tells the width decision what drafting together costs."""
+        source = self._rows_source()
+        assert source is not None
+        proposals = [lane.call_pending.propose for lane in lanes if lane.call_pending is not None]
+        rows = [(p.source, joined(p.ctx, self._backend.join_features), p.cap) for p in proposals if p is not None]
+        started = self._clock.now() if self._clock is not None else 0.0
+        try:
+            blocks = source.propose_rows(rows)
+            widest = max(cap for _, _, cap in rows)
+            if self._clock is not None and self._curves is not None and widest > 0:
+                for block in blocks:
+                    block.tokens  # noqa: B018 - waits for the drafts, so the time is the drafting's
+                self._draft_cost.record(len(rows), self._clock.now() - started, self._curves.draft(widest))
+        except Exception as exc:  # a failed draft fails its rows, never the others
+            for lane in lanes:
+                lane.resume(exc)
+                self._settle(lane)
+            return
+        for lane, block, (_, _, cap) in zip(lanes, blocks, rows, strict=True):
+            lane.resume(block.truncated(cap))
+            self._settle(lane)
+
+    def _drafting(self, greedy: int, width: int) -> float | None:
+        """A tick's drafting in one-row drafts when `greedy` of its `width` rows draft together (None: one each)."""
+        if greedy < 2 or self._rows_source() is None:
+            return None
+        return self._draft_cost.rows(greedy) + (width - greedy)
+
+    def _decide(self, width: int, depth: int, greedy: int = 0) -> None:
+        """Set the cap of the next round of `width` rows (`greedy` of them greedy) from the calibrated curves
+        (the gate)."""
         if self._curves is None or self._max_cap < 1:
             if self._announced is None and self._max_cap:
                 self._announce(BatchPlan(width=width, cap=self._max_cap, plain_tok_s=0.0, speculative_tok_s=0.0),
@@ -609,7 +686,7 @@ class BatchScheduler:
             self._gate.cap = None
             return
         if self._acceptance.positions < self._max_cap:
-            self._acceptance = EwmaAcceptance(alpha=_BATCH_ALPHA, positions=self._max_cap)
+            self._acceptance = DecayedAcceptance(positions=self._max_cap)
         if width <= 1:  # alone, the row's own cap policy decides (it runs the same cost model)
             self._gate.cap = None
             return
@@ -622,8 +699,10 @@ class BatchScheduler:
             self._max_cap,
             depth=depth,
             correction=self._correction if self._clock is not None else None,
+            draft_rows=self._drafting(greedy, width),
+            cap_acceptance=self._acceptance.estimate(),
         )
-        if (width, plan.speculate) != self._announced:
+        if (width, plan.cap) != self._announced:
             self._announce(plan, "calibrated")
         if plan.speculate:
             self._off_ticks = 0
@@ -645,7 +724,7 @@ class BatchScheduler:
         self._gate.cap = min(_PROBE_CAP, self._max_cap) if probe else 0
 
     def _announce(self, plan: BatchPlan, reason: str) -> None:
-        self._announced = (plan.width, plan.speculate)
+        self._announced = (plan.width, plan.cap)
         self.decisions.append(plan)
         event = BatchSpeculation(
             width=plan.width,
@@ -747,7 +826,8 @@ class BatchScheduler:
         self.drafting_steps += drafting > 0
         # The next round's caps are chosen as the lanes resume: decide for this width first.
         depth = sum(lane.target.cached_tokens for lane in stepping if lane.target is not None) // len(stepping)
-        self._decide(len(stepping), depth)
+        greedy = sum(c is not None and c.sampling.greedy for c in calls.values())
+        self._decide(len(stepping), depth, greedy)
         for lane in stepping:
             lane.keep = None
             acceptance, features = verdicts[lane.row]
@@ -761,7 +841,9 @@ class BatchScheduler:
             # uncorrected tick: what the next decisions rescale by. Ticks that also ran prompt chunks or a
             # solo row's call would overstate it.
             cap = max(len(c.block) for c in calls.values() if c is not None)
-            predicted = batch_tick_seconds(self._curves, len(stepping), cap, depth)
-            self._correction.record(len(stepping) * (1 + cap), self._clock.now() - started, predicted)
+            predicted = batch_tick_seconds(
+                self._curves, len(stepping), cap, depth, draft_rows=self._drafting(greedy, len(stepping))
+            )
+            self._correction.record(len(stepping), cap, self._clock.now() - started, predicted)
         return solo, prefilled, len(stepping), drafting
 

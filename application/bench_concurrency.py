@@ -47,6 +47,11 @@ class ConcurrencyPoint:
     drafting_steps: int = 0  # batched forwards in which some row verified drafts
     rounds: int = 0  # decode rounds over every request (a plain step is a round)
     tokens_per_round: float = 0.0  # committed per round, bonus included, the prefill token excluded
+    # Decode tok/s while all N requests decode: from the last first token to the first request's end. Rows
+    # that speculate finish apart, and the tail after the first one ends runs at a lower width.
+    full_tokens_per_second: float = 0.0
+    full_vs_baseline: float = 1.0  # the same against plain decoding's
+    trials: int = 1  # paired runs of every mode at this N (rates and ratios are their medians)
 
 
 class _Job:
@@ -81,14 +86,23 @@ def _taker(jobs: Sequence[_Job]) -> Callable[[], _Job | None]:
     return lambda: next(queued, None)
 
 
+@attrs.frozen
+class _Run:
+    jobs: list[_Job]
+    decode: float  # tok/s from the last first token to the last token
+    full: float  # tok/s from the last first token to the first request's last token
+    wall: float
+    widest: int
+    drafting: int
+
+
 def _measure(
     generator: GenerationService,
     requests: Sequence[GenerationRequest],
     clock: Clock,
     scheduler: BatchScheduler,
-) -> tuple[list[_Job], float, float, int, int]:
-    """Run the requests together on the mode's scheduler: (jobs, decode tok/s, wall seconds, widest batch,
-    drafting forwards of this run)."""
+) -> _Run:
+    """Run the requests together on the mode's scheduler."""
     generator.model.target.reset(0)  # no prefix from the previous level
     jobs = [_Job(r, clock) for r in requests]
     scheduler.widest, drafted_before = 0, scheduler.drafting_steps
@@ -98,11 +112,24 @@ def _measure(
     failed = [j.error for j in jobs if j.error is not None]
     if failed:
         raise failed[0]
-    all_started = max(j.stamps[0][0] for j in jobs if j.stamps) if any(j.stamps for j in jobs) else start
-    last = max((j.stamps[-1][0] for j in jobs if j.stamps), default=all_started)
-    after = sum(c for j in jobs for t, c in j.stamps if t > all_started)
-    decode = after / (last - all_started) if last > all_started else 0.0
-    return jobs, decode, wall, max(scheduler.widest, 1), scheduler.drafting_steps - drafted_before
+    stamped = [j for j in jobs if j.stamps]
+    all_started = max((j.stamps[0][0] for j in stamped), default=start)
+
+    def rate(until: float) -> float:
+        tokens = sum(c for j in stamped for t, c in j.stamps if all_started < t <= until)
+        return tokens / (until - all_started) if until > all_started else 0.0
+
+    last = max((j.stamps[-1][0] for j in stamped), default=all_started)
+    first_done = min((j.stamps[-1][0] for j in stamped), default=all_started)
+    return _Run(
+        jobs, rate(last), rate(first_done), wall, max(scheduler.widest, 1), scheduler.drafting_steps - drafted_before
+    )
+
+
+def _median(xs: Sequence[float]) -> float:
+    ordered = sorted(xs)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def run_concurrency_modes(
@@ -115,10 +142,14 @@ def run_concurrency_modes(
     max_tokens: int = 128,
     temperature: float = 0.0,
     seed: int = 0,
+    trials: int = 1,
     progress: Callable[[str, float], None] | None = None,
 ) -> list[ConcurrencyPoint]:
     """Each level in order (1 first), every mode at that level back to back, the first mode (plain decoding)
-    first: its decode tok/s at the same N is every other mode's `vs_baseline`."""
+    first, `trials` times: each run's decode tok/s against plain decoding's run just before it is a paired
+    ratio, and a point reports the medians over its trials."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
     order = sorted({1, *levels})
     modes = list(generators)
     # One scheduler per mode for every level, as the engine keeps one for its life: what its width decisions
@@ -135,26 +166,29 @@ def run_concurrency_modes(
     points: list[ConcurrencyPoint] = []
     reference: dict[str, list[int]] = {}
     base: dict[str, float] = {}
-    steps = len(order) * len(modes)
+    steps = len(order) * len(modes) * trials
     for k, n in enumerate(order):
-        plain_rate = 0.0
+        runs: dict[str, list[_Run]] = {mode: [] for mode in modes}
+        for trial in range(trials):
+            for m, mode in enumerate(modes):
+                if progress is not None:
+                    progress(f"{mode} at {n} concurrent", ((k * trials + trial) * len(modes) + m) / steps)
+                runs[mode].append(_measure(generators[mode], [request(i) for i in range(n)], clock, schedulers[mode]))
+        plain = runs[modes[0]]
         for m, mode in enumerate(modes):
-            if progress is not None:
-                progress(f"{mode} at {n} concurrent", (k * len(modes) + m) / steps)
-            jobs, decode, wall, widest, drafting = _measure(
-                generators[mode], [request(i) for i in range(n)], clock, schedulers[mode]
-            )
-            if mode not in reference:
-                reference[mode], base[mode] = jobs[0].tokens, decode
-            if m == 0:
-                plain_rate = decode
-            lossless = jobs[0].tokens == reference[mode]
+            done = runs[mode]
+            decode = _median([r.decode for r in done])
+            if mode not in base:
+                reference[mode], base[mode] = done[0].jobs[0].tokens, decode
+            lossless = all(r.jobs[0].tokens == reference[mode] for r in done)
             if temperature == 0.0 and m:  # greedy: every mode must give plain decoding's tokens
-                lossless = lossless and jobs[0].tokens == reference[modes[0]]
+                lossless = lossless and all(r.jobs[0].tokens == reference[modes[0]] for r in done)
+            jobs = done[0].jobs
             generated = sum(len(j.tokens) for j in jobs)
             results = [j.result for j in jobs if j.result is not None]
             rounds = sum(r.rounds for r in results)
             committed = sum(r.mean_accepted * r.rounds for r in results)
+            wall = _median([r.wall for r in done])
             points.append(
                 ConcurrencyPoint(
                     concurrency=n,
@@ -162,14 +196,18 @@ def run_concurrency_modes(
                     decode_tokens_per_second=decode,
                     end_to_end_tokens_per_second=generated / wall if wall > 0 else 0.0,
                     wall_s=wall,
-                    widest_batch=widest,
+                    widest_batch=max(r.widest for r in done),
                     speedup=decode / base[mode] if base[mode] > 0 else 0.0,
                     lossless=lossless,
                     mode=mode,
-                    vs_baseline=decode / plain_rate if plain_rate > 0 else 0.0,
-                    drafting_steps=drafting,
+                    # Paired: each trial's ratio against plain decoding's run just before it.
+                    vs_baseline=_median([r.decode / p.decode if p.decode > 0 else 0.0 for r, p in zip(done, plain)]),
+                    drafting_steps=sum(r.drafting for r in done) // len(done),
                     rounds=rounds,
                     tokens_per_round=committed / rounds if rounds else 0.0,
+                    full_tokens_per_second=_median([r.full for r in done]),
+                    full_vs_baseline=_median([r.full / p.full if p.full > 0 else 0.0 for r, p in zip(done, plain)]),
+                    trials=trials,
                 )
             )
     if progress is not None:
@@ -180,13 +218,14 @@ def run_concurrency_modes(
 def render_concurrency(points: Sequence[ConcurrencyPoint]) -> str:
     modes = list(dict.fromkeys(p.mode for p in points))
     several = len(modes) > 1
-    head = "concurrent  decode tok/s  x vs 1  e2e tok/s  widest  tokens  tok/round  lossless"
-    lines = [f"{'mode':<10}  {head}  x vs plain  drafting" if several else head]
+    head = "concurrent  decode tok/s  x vs 1  full tok/s  e2e tok/s  widest  tokens  tok/round  lossless"
+    lines = [f"{'mode':<10}  {head}  x vs plain  full x plain  drafting" if several else head]
     for p in points:
         row = (
             f"{p.concurrency:>10}  {p.decode_tokens_per_second:>12.1f}  {p.speedup:>6.2f}"
-            f"  {p.end_to_end_tokens_per_second:>9.1f}  {p.widest_batch:>6}  {p.generated_tokens:>6}"
-            f"  {p.tokens_per_round:>9.2f}  {'yes' if p.lossless else 'NO':>8}"
+            f"  {p.full_tokens_per_second:>10.1f}  {p.end_to_end_tokens_per_second:>9.1f}  {p.widest_batch:>6}"
+            f"  {p.generated_tokens:>6}  {p.tokens_per_round:>9.2f}  {'yes' if p.lossless else 'NO':>8}"
         )
-        lines.append(f"{p.mode:<10}  {row}  {p.vs_baseline:>10.2f}  {p.drafting_steps:>8}" if several else row)
+        extra = f"  {p.vs_baseline:>10.2f}  {p.full_vs_baseline:>12.2f}  {p.drafting_steps:>8}"
+        lines.append(f"{p.mode:<10}  {row}{extra}" if several else row)
     return "\n".join(lines) + "\n"

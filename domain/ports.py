@@ -166,6 +166,23 @@ class DraftSource(Protocol):
         ...
 
 
+@runtime_checkable
+class RowsDraftSource(Protocol):
+    """A draft source whose per-request forks can draft together (the batch scheduler's greedy rows)."""
+
+    def fork(self) -> DraftSource:
+        """The same source with its own per-request state (weights shared)."""
+        ...
+
+    def propose_rows(self, rows: Sequence[tuple[DraftSource, DraftContext, int]]) -> list[DraftBlock]:
+        """Greedy drafts for every (fork, context, cap) row in one batched call, in order.
+
+        The drafts may differ from each fork's own `propose` in rounding; a greedy verify's output does not
+        depend on them, a sampled one's does (so sampled rows draft alone).
+        """
+        ...
+
+
 class Clock(Protocol):
     """Monotonic seconds."""
 

@@ -78,3 +78,43 @@ class EwmaAcceptance:
             n = min(float(seen), window) + 1.0
             out.append(max(0.0, value - z * math.sqrt(value * (1.0 - value) / n)))
         return out
+
+
+@attrs.define
+class DecayedAcceptance:
+    """Per-position conditional acceptance from exponentially decayed counts (a batch's pooled estimate).
+
+    Each position keeps hits and tries that decay by 1 − 1/window per outcome recorded there, plus
+    `prior_weight` pseudo-tries at `prior`. The estimate follows about the last `window` outcomes, the prior
+    washes out after a few, and the standard error shrinks with the outcomes really seen (an EWMA's stays as
+    wide as its short window, which keeps a cautious bound far below a drafter that does win).
+    """
+
+    prior: float = 0.7
+    prior_weight: float = 1.0
+    window: float = 64.0
+    positions: int = 16
+    hits: list[float] = attrs.field(init=False)
+    tries: list[float] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.hits = [0.0] * self.positions
+        self.tries = [0.0] * self.positions
+
+    def record(self, drafted: int, accepted: int) -> None:
+        keep = 1.0 - 1.0 / self.window
+        for i in range(min(drafted, accepted + 1, self.positions)):
+            self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
+            self.tries[i] = self.tries[i] * keep + 1.0
+
+    def estimate(self) -> list[float]:
+        w = self.prior_weight
+        return [(h + w * self.prior) / (t + w) for h, t in zip(self.hits, self.tries, strict=True)]
+
+    def lower(self, z: float = 1.0) -> list[float]:
+        """The estimate less `z` standard errors per position (the prior counts as `prior_weight` outcomes)."""
+        out = []
+        for value, tries in zip(self.estimate(), self.tries, strict=True):
+            n = tries + self.prior_weight
+            out.append(max(0.0, value - z * math.sqrt(value * (1.0 - value) / n)))
+        return out

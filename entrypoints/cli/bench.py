@@ -38,7 +38,12 @@ def parser() -> argparse.ArgumentParser:
         help="classes of the built-in set, heldout[:classes] (the drafters' held-out prompts), or a JSONL/text file",
     )
     p.add_argument("--per-class", type=int, default=None, metavar="N", help="only the first N prompts of each class")
-    p.add_argument("--trials", type=int, default=3, help="runs per prompt per mode (medians over all)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=3,
+        help="runs per prompt per mode (medians over all); with --concurrency, paired runs of every mode per level",
+    )
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (enables the lossless check)")
     p.add_argument("--seed", type=int, default=0)
@@ -150,6 +155,7 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        trials=args.trials,
         progress=bar.update,
     )
     bar.close()

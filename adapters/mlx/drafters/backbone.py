@@ -12,7 +12,7 @@ Two ways in: a pure forward (`DrafterBackbone.hidden`, explicit positions and ma
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import mlx.core as mx
@@ -71,15 +71,35 @@ class DraftAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.n_kv_heads)
         return k, v
 
-    def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
-        q = rope_at(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), positions)
-        k, v = self.key_values(x, positions)
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, context: KV | None, mask: mx.array | None) -> mx.array:
         if context is not None:
             k = mx.concatenate([context[0].astype(k.dtype), k], axis=2)
             v = mx.concatenate([context[1].astype(v.dtype), v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+
+    def _out(self, out: mx.array) -> mx.array:
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+    def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
+        q = rope_at(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), positions)
+        k, v = self.key_values(x, positions)
+        return self._out(self._attend(q, k, v, context, mask))
+
+    def rows(
+        self, x: mx.array, offsets: mx.array, contexts: Sequence[KV | None], masks: Sequence[mx.array | None]
+    ) -> mx.array:
+        """Blocks of different requests at once: row r of `x` [B, L, H] starts at `offsets[r]` and attends to
+        its own context. The projections run batched (their weights are read once for every row); only the
+        attention itself runs per row, since the rows' contexts differ in length."""
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offsets)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offsets)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        out = [
+            self._attend(q[r : r + 1], k[r : r + 1], v[r : r + 1], context, mask)
+            for r, (context, mask) in enumerate(zip(contexts, masks, strict=True))
+        ]
+        return self._out(mx.concatenate(out, axis=0))
 
 
 class DraftMLP(nn.Module):
@@ -107,6 +127,13 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), positions, context, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def rows(
+        self, x: mx.array, offsets: mx.array, contexts: Sequence[KV | None], masks: Sequence[mx.array | None]
+    ) -> mx.array:
+        """`__call__` for blocks of different requests (see `DraftAttention.rows`)."""
+        h = x + self.self_attn.rows(self.input_layernorm(x), offsets, contexts, masks)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -259,15 +286,46 @@ class ContextCache:
         n = features.shape[1]
         if n == 0:
             return
+        self._move_to(first_position)
+        kvs = self._backbone.context_kv(self._backbone.fuse(features), first_position)
+        for i, (k, v) in enumerate(kvs):
+            self._write(i, k, v)
+        self.offset = first_position + n
+
+    def _move_to(self, first_position: int) -> None:
         if first_position != self.offset:
             if first_position < self.offset:
                 raise ValueError(f"context rows from {first_position} overlap cached rows up to {self.offset}")
             self.reset()
             self._start = [first_position] * self._cfg.num_layers
-        kvs = self._backbone.context_kv(self._backbone.fuse(features), first_position)
-        for i, (k, v) in enumerate(kvs):
-            self._write(i, k, v)
-        self.offset = first_position + n
+
+    @staticmethod
+    def append_rows(caches: Sequence[ContextCache], chunks: Sequence[tuple[mx.array, int]]) -> None:
+        """`append` for several caches of one drafter at once: cache j gets `chunks[j]` = (features [n, m·H_t],
+        first position). The fusion and every layer's K/V projections run once over all the rows, so each
+        weight is read once, not once per cache."""
+        live = [(c, f.reshape(-1, f.shape[-1]), p) for c, (f, p) in zip(caches, chunks, strict=True) if f.shape[-2]]
+        if not live:
+            return
+        backbone = live[0][0]._backbone
+        if len(live) == 1:
+            cache, features, position = live[0]
+            cache.append(features, position)
+            return
+        for cache, _, position in live:
+            cache._move_to(position)
+        sizes = [int(f.shape[0]) for _, f, _ in live]
+        ids = mx.concatenate([mx.arange(p, p + n) for (_, _, p), n in zip(live, sizes, strict=True)])
+        fused = backbone.fuse(mx.concatenate([f for _, f, _ in live], axis=0))[None]
+        kvs = backbone.context_kv(fused, ids)
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        for j, (cache, _, position) in enumerate(live):
+            lo, hi = bounds[j], bounds[j + 1]
+            for i, (k, v) in enumerate(kvs):
+                cache._write(i, k[..., lo:hi, :], v[..., lo:hi, :])
+            cache.offset = position + sizes[j]
 
     def _write(self, i: int, k: mx.array, v: mx.array) -> None:
         n = k.shape[2]
@@ -304,18 +362,35 @@ class ContextCache:
         """Arrays to evaluate together with a draft, so the cache graph never grows across rounds."""
         return [a for a in (*self._keys, *self._values) if a is not None]
 
+    def _mask(self, i: int, ctx: KV | None, anchor_position: int, length: int) -> mx.array | None:
+        """Layer i's mask for a block of `length` rows at `anchor_position` (None: attend to everything)."""
+        cfg = self._cfg
+        if cfg.layer_types[i] != SLIDING or cfg.sliding_window is None:
+            return None
+        q_pos = mx.arange(anchor_position, anchor_position + length)
+        ctx_len = 0 if ctx is None else ctx[0].shape[2]
+        k_pos = mx.concatenate([mx.arange(self._start[i], self._start[i] + ctx_len), q_pos])
+        return sliding_mask(q_pos, k_pos, cfg.sliding_window, cfg.sliding_causal)
+
     def forward(self, block: mx.array, anchor_position: int) -> mx.array:
         """Final-normed hidden [1, L, H] of block embeddings [1, L, H] starting at `anchor_position`."""
-        cfg = self._cfg
         length = block.shape[1]
-        q_pos = mx.arange(anchor_position, anchor_position + length)
         x = block.astype(self._backbone.dtype)
         for i, layer in enumerate(self._backbone.layers):
             ctx = self.layer_kv(i)
-            mask = None
-            if cfg.layer_types[i] == SLIDING and cfg.sliding_window is not None:
-                ctx_len = 0 if ctx is None else ctx[0].shape[2]
-                k_pos = mx.concatenate([mx.arange(self._start[i], self._start[i] + ctx_len), q_pos])
-                mask = sliding_mask(q_pos, k_pos, cfg.sliding_window, cfg.sliding_causal)
-            x = layer(x, anchor_position, ctx, mask)
+            x = layer(x, anchor_position, ctx, self._mask(i, ctx, anchor_position, length))
         return self._backbone.norm(x)
+
+    @staticmethod
+    def forward_rows(caches: Sequence[ContextCache], block: mx.array, anchor_positions: Sequence[int]) -> mx.array:
+        """`forward` of several requests' blocks at once: row r of `block` [B, L, H] over `caches[r]`, starting at
+        `anchor_positions[r]`; returns [B, L, H]. The rounding may differ from one row's own `forward`."""
+        backbone = caches[0]._backbone
+        length = block.shape[1]
+        offsets = mx.array(list(anchor_positions), dtype=mx.int32)
+        x = block.astype(backbone.dtype)
+        for i, layer in enumerate(backbone.layers):
+            ctxs = [c.layer_kv(i) for c in caches]
+            masks = [c._mask(i, ctx, p, length) for c, ctx, p in zip(caches, ctxs, anchor_positions, strict=True)]
+            x = layer.rows(x, offsets, ctxs, masks)
+        return backbone.norm(x)

@@ -22,6 +22,8 @@ from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.tokens import SamplingParams
 
+_ARGMAX = SamplingParams()  # greedy: drafts are the argmax of each slot
+
 
 class DFlashDrafter(DrafterBackbone, heads.DraftVocabulary):
     """The DFlash drafter: the shared backbone bound to the target's embedding and head (frozen, not params).
@@ -138,3 +140,11 @@ class DFlashDraftSource(BackboneDraftSource):
         # Queued, not read: the verify reads the tokens back with its verdict.
         mx.async_eval(tokens, *([] if q is None else [q]), *self.cache.state())
         return DraftBlock(pending=DeviceTokens(tokens), q=q, source=self.name)
+
+    @property
+    def first_slot(self) -> int:
+        return 1
+
+    def greedy_slots(self, h: mx.array, anchors: mx.array) -> tuple[mx.array, mx.array | None]:
+        tokens, _ = pick(self.drafter.logits(h), _ARGMAX, None)
+        return self.drafter.to_target_ids(tokens), None

@@ -29,6 +29,8 @@ from mlx_dspark.domain.drafting.confidence import confident_prefix_length
 from mlx_dspark.domain.errors import IncompatibleDrafter
 from mlx_dspark.domain.tokens import SamplingParams
 
+_ARGMAX = SamplingParams()  # greedy: drafts are the argmax of each corrected slot
+
 
 class MarkovHead(nn.Module):
     """Vanilla Markov head: bias = markov_w2(markov_w1[previous token]) (w1 over the target vocabulary)."""
@@ -259,31 +261,49 @@ class DSparkDraftSource(BackboneDraftSource):
         d = self.drafter
         first = d.dspark_config.first_draft_slot
         h = self.cache.forward(d.embed_block(self.block_ids(ctx.anchor)), ctx.position)[0, first : first + n]
-        base = d.base_logits(h)
         sampled = self.sampled(sampling)
         u = mx.array(list(uniforms[:n]), dtype=mx.float32) if sampled else None
+        token_arr, qs, conf_arr = self._chain(h, mx.array(ctx.anchor, dtype=mx.int32), sampling, u)
+        q_arr = d.to_target_probs(mx.stack(qs)) if qs else None
+        # Queued, not read: the verify reads the tokens back with its verdict. Only a confidence
+        # threshold waits here, since the block's width depends on it.
+        mx.async_eval(token_arr, *(a for a in (q_arr, conf_arr) if a is not None), *self.cache.state())
+        block = DraftBlock(pending=DeviceTokens(token_arr), q=q_arr, source=self.name)
+        if conf_arr is not None:
+            block = self.truncate_on_confidence(block, cast(list[float], conf_arr.tolist()))
+        return block
+
+    def truncate_on_confidence(self, block: DraftBlock, confidences: list[float]) -> DraftBlock:
+        self.last_confidences = confidences
+        return block.truncated(confident_prefix_length(confidences, self.confidence_threshold))
+
+    def _chain(
+        self, h: mx.array, anchor: mx.array, sampling: SamplingParams, u: mx.array | None
+    ) -> tuple[mx.array, list[mx.array], mx.array | None]:
+        """The Markov chain over slots of hidden states `h` [..., n, H] after `anchor` [...]: the drafted target
+        ids [..., n], each sampled slot's q (over draft ids), and the confidences [..., n] when thresholded."""
+        d = self.drafter
+        base = d.base_logits(h)
         want_conf = self.confidence_threshold > 0
-        prev = mx.array(ctx.anchor, dtype=mx.int32)
+        prev = anchor
         tokens, qs, confs = [], [], []
-        for k in range(n):
+        for k in range(int(h.shape[-2])):
             prev_emb = d.prev_embedding(prev)
-            x, q = pick(d.corrected(base[k], prev_emb), sampling, None if u is None else u[k])
+            x, q = pick(d.corrected(base[..., k, :], prev_emb), sampling, None if u is None else u[k])
             if want_conf:
-                c = d.confidence_logit(h[k], prev_emb)
+                c = d.confidence_logit(h[..., k, :], prev_emb)
                 assert c is not None
                 confs.append(mx.sigmoid(c))
             prev = d.to_target_ids(x)
             tokens.append(prev)
             if q is not None:
                 qs.append(q)
-        token_arr = mx.stack(tokens)
-        q_arr = d.to_target_probs(mx.stack(qs)) if qs else None
-        conf_arr = mx.stack(confs) if confs else None
-        # Queued, not read: the verify reads the tokens back with its verdict. Only a confidence
-        # threshold waits here, since the block's width depends on it.
-        mx.async_eval(token_arr, *(a for a in (q_arr, conf_arr) if a is not None), *self.cache.state())
-        block = DraftBlock(pending=DeviceTokens(token_arr), q=q_arr, source=self.name)
-        if conf_arr is not None:
-            self.last_confidences = cast(list[float], conf_arr.tolist())
-            block = block.truncated(confident_prefix_length(self.last_confidences, self.confidence_threshold))
-        return block
+        return mx.stack(tokens, axis=-1), qs, mx.stack(confs, axis=-1) if confs else None
+
+    @property
+    def first_slot(self) -> int:
+        return self.drafter.dspark_config.first_draft_slot
+
+    def greedy_slots(self, h: mx.array, anchors: mx.array) -> tuple[mx.array, mx.array | None]:
+        tokens, _, confidences = self._chain(h, anchors, _ARGMAX, None)
+        return tokens, confidences

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import Self, cast
 
 import mlx.core as mx
 
 from mlx_dspark.adapters.mlx.acceptance import sample_index, truncated_probs
 from mlx_dspark.adapters.mlx.drafters.backbone import ContextCache, DrafterBackbone
-from mlx_dspark.domain.drafting.block import DraftContext
+from mlx_dspark.adapters.mlx.readback import DeviceTokens
+from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
+from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
 PROPOSALS = ("sample", "argmax")
@@ -54,14 +56,8 @@ class BackboneDraftSource:
 
     def ingest(self, ctx: DraftContext) -> None:
         """Append the target features of rows committed since the last call (they end at the anchor)."""
-        features = ctx.features
-        if features is None:
-            return
-        n = int(features.shape[-2])
-        if n:
-            cols = self._columns(self.target_layer_ids)
-            own = features if cols is None else mx.take(features, cols, axis=-1)
-            self.cache.append(own, ctx.position - n)
+        if ctx.features is not None and int(ctx.features.shape[-2]):
+            self.cache.append(*self._context_rows(ctx))
 
     def round_size(self, ctx: DraftContext, cap: int) -> int:
         """Ingest the new context rows and return how many drafts this round makes (0: only the cache moved)."""
@@ -78,6 +74,69 @@ class BackboneDraftSource:
     def block_ids(self, anchor: int) -> mx.array:
         cfg = self.drafter.config
         return mx.array([[anchor] + [cfg.mask_token_id] * (cfg.block_size - 1)], dtype=mx.int32)
+
+    @property
+    def first_slot(self) -> int:
+        """The block slot of the first draft (the slots before it only carry the anchor)."""
+        raise NotImplementedError
+
+    def greedy_slots(self, h: mx.array, anchors: mx.array) -> tuple[mx.array, mx.array | None]:
+        """Argmax drafts [B, n] (target ids) from the draft slots' hidden states `h` [B, n, H] of blocks after
+        `anchors` [B], and their confidences [B, n] when this source truncates on them (else None)."""
+        raise NotImplementedError
+
+    def propose_rows(self, rows: Sequence[tuple[DraftSource, DraftContext, int]]) -> list[DraftBlock]:
+        """Greedy drafts of several requests at once: each row is (a `fork` of this source, its context, its cap).
+
+        One batched drafter forward serves every row (the context rows' fusion and K/V too), so each weight is
+        read once per tick instead of once per request. Its rounding may differ from a row's own `propose`,
+        which changes which drafts a greedy verify accepts, never its output; a sampled row must draft alone
+        (its q is part of its seeded output).
+        """
+        forks: list[BackboneDraftSource] = []
+        for fork, _, _ in rows:
+            if not isinstance(fork, BackboneDraftSource) or fork.drafter is not self.drafter:
+                raise ValueError("propose_rows takes forks of this source")
+            forks.append(fork)
+        chunks = [fork._context_rows(ctx) for fork, (_, ctx, _) in zip(forks, rows, strict=True)]
+        ContextCache.append_rows([fork.cache for fork in forks], chunks)
+        sizes = [max(0, min(cap, self.max_block)) for _, _, cap in rows]
+        blocks = [DraftBlock(source=self.name) for _ in rows]
+        live = [j for j, n in enumerate(sizes) if n]
+        if not live:
+            mx.async_eval(*(a for fork in forks for a in fork.cache.state()))
+            return blocks
+        widest = max(sizes)
+        ids = mx.concatenate([self.block_ids(rows[j][1].anchor) for j in live], axis=0)
+        h = ContextCache.forward_rows(
+            [forks[j].cache for j in live], self.drafter.embed_block(ids), [rows[j][1].position for j in live]
+        )
+        anchors = mx.array([rows[j][1].anchor for j in live], dtype=mx.int32)
+        tokens, confidences = self.greedy_slots(h[:, self.first_slot : self.first_slot + widest], anchors)
+        # Each row's own slice is queued too: its verify may read it on another thread, which has no stream.
+        own = [tokens[b, : sizes[j]] for b, j in enumerate(live)]
+        states = [a for fork in forks for a in fork.cache.state()]
+        mx.async_eval(*own, *([] if confidences is None else [confidences]), *states)
+        kept = confidences.tolist() if confidences is not None else None
+        for b, j in enumerate(live):
+            block = DraftBlock(pending=DeviceTokens(own[b]), source=self.name)
+            if kept is not None:
+                block = forks[j].truncate_on_confidence(block, cast(list[float], kept[b])[: sizes[j]])
+            blocks[j] = block
+        return blocks
+
+    def truncate_on_confidence(self, block: DraftBlock, confidences: list[float]) -> DraftBlock:
+        """A source that truncates on confidence cuts `block` here (the others have none to cut on)."""
+        return block
+
+    def _context_rows(self, ctx: DraftContext) -> tuple[mx.array, int]:
+        """This drafter's columns of the features in `ctx` and the position of their first row."""
+        features = ctx.features
+        if features is None:
+            return mx.zeros((0, 0)), ctx.position
+        cols = self._columns(self.target_layer_ids)
+        own = features if cols is None else mx.take(features, cols, axis=-1)
+        return own, ctx.position - int(features.shape[-2])
 
     def sampled(self, sampling: SamplingParams) -> bool:
         """Whether proposals are drawn from q (else argmax with a one-hot q, also lossless)."""

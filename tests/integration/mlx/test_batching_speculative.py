@@ -55,14 +55,18 @@ def _drafter_dir(kind: str) -> Path:
     return helpers.write_dspark(root, _target_model())
 
 
-def service(kind: str, policy: Callable[[], CapPolicy] | None = None, *, min_n: int = 1) -> GenerationService:
+def service(
+    kind: str, policy: Callable[[], CapPolicy] | None = None, *, min_n: int = 1, threshold: float = 0.0
+) -> GenerationService:
     model = _target_model()
     target = MlxTargetModel(model, prefill_chunk=4)
     source: Any
     if kind == "lookup":
         source = LookupDraftSource(block=BLOCK, min_n=min_n, max_n=max(3, min_n))
     else:
-        source = load_drafter(kind, str(_drafter_dir(kind)), model, target=target, bits=0)
+        source = load_drafter(
+            kind, str(_drafter_dir(kind)), model, target=target, bits=0, confidence_threshold=threshold
+        )
     loaded = LoadedModel(
         name="tiny",
         identity=f"tiny-{kind}",
@@ -92,8 +96,10 @@ def requests(n: int, *, sampled: bool, seed: int = 0, max_tokens: int | None = N
     return out
 
 
-def solo(kind: str, request: GenerationRequest, policy: Callable[[], CapPolicy] | None = None) -> Any:
-    return service(kind, policy).generate(request)
+def solo(
+    kind: str, request: GenerationRequest, policy: Callable[[], CapPolicy] | None = None, threshold: float = 0.0
+) -> Any:
+    return service(kind, policy, threshold=threshold).generate(request)
 
 
 def run_batched(gen: GenerationService, jobs: list[Job], *, join_every: int, max_batch: int = 8) -> BatchScheduler:
@@ -136,6 +142,59 @@ def test_dflash_rows_equal_solo_decoding(sampled: bool) -> None:
     assert scheduler.widest == 3 and scheduler.drafting_steps > 0
     for job, req in zip(jobs, reqs):
         assert_like_solo(job, solo("dflash", req))
+
+
+def _spy_on_drafting(monkeypatch: pytest.MonkeyPatch, gen: GenerationService) -> tuple[list[Any], list[Any]]:
+    """Record the forks in every batched draft call and every fork that drafted alone."""
+    together: list[Any] = []
+    alone: list[Any] = []
+    root: Any = gen.selector.source  # type: ignore[attr-defined]
+    batched, single = type(root).propose_rows, type(root).propose
+
+    def propose_rows(self: Any, rows: Any) -> Any:
+        together.append([fork for fork, _, _ in rows])
+        return batched(self, rows)
+
+    def propose(self: Any, *args: Any) -> Any:
+        alone.append(self)
+        return single(self, *args)
+
+    monkeypatch.setattr(type(root), "propose_rows", propose_rows)
+    monkeypatch.setattr(type(root), "propose", propose)
+    return together, alone
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_greedy_rows_draft_together_and_sampled_rows_draft_alone(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sampled row's q is part of its seeded output, so only greedy rows share a drafter forward; either
+    # way every row's output is its solo output.
+    reqs = [*requests(3, sampled=False, seed=50, max_tokens=24), *requests(1, sampled=True, seed=51, max_tokens=24)]
+    jobs = [Job(r) for r in reqs]
+    gen = service(kind)
+    together, alone = _spy_on_drafting(monkeypatch, gen)
+    run_batched(gen, jobs, join_every=1)
+    assert together and max(len(forks) for forks in together) == 3
+    batched_forks = {id(f) for forks in together for f in forks}
+    assert len(batched_forks) == 3  # the three greedy rows' forks, and never the sampled row's
+    assert any(id(f) not in batched_forks for f in alone)  # the sampled row drafted, alone
+    monkeypatch.undo()
+    for job, req in zip(jobs, reqs):
+        assert_like_solo(job, solo(kind, req))
+
+
+def test_rows_drafting_together_truncate_on_their_own_confidences() -> None:
+    # A confidence threshold cuts each row's block where its own running confidence drops: rows of one
+    # batched draft call end up with blocks of different lengths, verified in one forward.
+    reqs = requests(3, sampled=False, seed=60, max_tokens=24)
+    jobs = [Job(r) for r in reqs]
+    gen = service("dspark", threshold=0.3)
+    run_batched(gen, jobs, join_every=1)
+    rounds = [e for _, e in gen.telemetry.events if isinstance(e, RoundFinished)]  # type: ignore[attr-defined]
+    assert {r.drafted for r in rounds if r.drafted} - {BLOCK}  # some blocks were cut short
+    for job, req in zip(jobs, reqs):
+        assert_like_solo(job, solo("dspark", req, threshold=0.3))
 
 
 def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,8 +368,12 @@ def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_leve
     assert backend is not None
     modes = {"baseline": plain, "dspark": spec}
     prompts = ["abcabcabc", "hello hello"]
-    points = run_concurrency_modes(modes, backend, prompts, FakeClock(), levels=(1, 3, 2), max_tokens=8)
+    points = run_concurrency_modes(modes, backend, prompts, FakeClock(), levels=(1, 3, 2), max_tokens=8, trials=2)
     assert [(p.mode, p.concurrency) for p in points] == [(m, n) for n in (1, 2, 3) for m in modes]
+    assert all(p.trials == 2 and p.full_tokens_per_second > 0 for p in points)
+    # While every request decodes the rate is at least the rate that also counts the tail after the first ends.
+    assert all(p.full_tokens_per_second >= p.decode_tokens_per_second * 0.999 for p in points if p.concurrency > 1)
+    assert points[0].full_vs_baseline == 1.0
     assert all(p.lossless for p in points)  # greedy: every mode's first request gives plain decoding's tokens
     # One scheduler per mode serves every level; each level still reports its own widest batch and forwards.
     assert [p.widest_batch for p in points] == [1, 1, 2, 2, 3, 3]
@@ -323,7 +386,8 @@ def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_leve
         assert p.rounds > 0 and p.tokens_per_round * p.rounds == pytest.approx(p.generated_tokens - p.concurrency)
         assert p.tokens_per_round == 1.0 if p.mode == "baseline" else p.rounds < p.generated_tokens - p.concurrency
     table = render_concurrency(points)
-    assert "x vs plain" in table and "tok/round" in table and table.count("dspark") == 3
+    assert "x vs plain" in table and "full x plain" in table and "tok/round" in table
+    assert table.count("dspark") == 3
 
 
 def test_the_engine_thread_batches_concurrent_speculative_jobs() -> None:
