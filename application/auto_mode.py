@@ -182,10 +182,38 @@ class AutoSelector:
         return max(self._candidates, key=lambda n: (key(self._candidates[n]), self._candidates[n].source is None))
 
     def _selection(
-        self, name: str, policy: CapPolicy | None, switched: SourceSwitched | None, switcher: SourceSwitcher | None
+        self,
+        name: str,
+        policy: CapPolicy | None,
+        switched: SourceSwitched | None,
+        switcher: SourceSwitcher | None,
+        lane: _Lane | None = None,
     ) -> Selection:
-        cand = self._candidates[name]
-        return Selection(name=name, source=cand.source, policy=policy, switched=switched, switcher=switcher)
+        source = self._candidates[name].source if lane is None else lane.sources[name]
+        return Selection(name=name, source=source, policy=policy, switched=switched, switcher=switcher)
+
+    def sources(self) -> dict[str, DraftSource | None]:
+        """Every candidate's draft source (None: plain decoding)."""
+        return {name: c.source for name, c in self._candidates.items()}
+
+    def lane_view(
+        self,
+        wrap: Callable[[DraftSource], DraftSource],
+        *,
+        policy: Callable[[CapPolicy], CapPolicy] | None = None,
+        hold: Callable[[], bool] | None = None,
+    ) -> LaneAutoSelector:
+        """This selector for one batched request, everything it learns shared with this selector.
+
+        Args:
+            wrap: each candidate's source → the request's own (a per-request fork).
+            policy: wraps each fresh cap policy (the batch's plan overrules it while rows share the batch).
+            hold: while it says so, the request stays on its source and its rounds teach the arbiter nothing
+                (a shared batched tick is not the source's own round).
+            A seeded request takes neither: it decides on modelled costs, so its schedule stays its solo one.
+        """
+        lane = _Lane({n: None if s is None else wrap(s) for n, s in self.sources().items()}, policy, hold)
+        return LaneAutoSelector(self, lane)
 
     def _fresh_policy(self, name: str) -> CapPolicy | None:
         """A new cap policy for one request, as fixed modes get. One kept across requests learned a low
@@ -198,6 +226,10 @@ class AutoSelector:
         cand.rate = observed if cand.rate <= 0 else cand.rate + self._alpha * (observed - cand.rate)
 
     def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        return self.select_with(prompt, sampling, None)
+
+    def select_with(self, prompt: Sequence[int], sampling: SamplingParams | None, lane: _Lane | None) -> Selection:
+        """`select` for one batched request (`lane`: its own sources, policy wrapper and hold; None: `select`)."""
         seeded = sampling is not None and not sampling.greedy and sampling.seed is not None
         if seeded:
             start = self._winner
@@ -216,11 +248,14 @@ class AutoSelector:
             )
         self._last = start
         if not self._in_request or len(self._candidates) < 2:
-            return self._selection(start, self._fresh_policy(start), switched, None)
+            policy = self._fresh_policy(start)
+            if policy is not None and lane is not None and lane.policy is not None and not seeded:
+                policy = lane.policy(policy)
+            return self._selection(start, policy, switched, None, lane)
         arbiter = SourceArbiter(
             list(self._candidates), start=start, priors=priors, plain=self.plain, carried=carried, config=self._config
         )
-        switcher = _RequestSwitcher(self, arbiter, seeded=seeded)
+        switcher = _RequestSwitcher(self, arbiter, seeded=seeded, lane=lane)
         return switcher.selection(start, switched)
 
     def finished(self, selection: Selection, usage: Usage) -> None:
@@ -254,6 +289,8 @@ class _AutoCap:
 
     def cap(self, depth: int) -> int:
         cap = self.inner.cap(depth)
+        if getattr(self.inner, "planned", False):  # a cap the batch's plan chose stands, 0 included
+            return cap
         return cap if cap > 0 else self._floor
 
     def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
@@ -267,10 +304,18 @@ class _AutoCap:
 class _RequestSwitcher:
     """One request's SourceSwitcher: feeds each round to the arbiter and hands the request over."""
 
-    def __init__(self, owner: AutoSelector, arbiter: SourceArbiter, *, seeded: bool) -> None:
+    def __init__(
+        self,
+        owner: AutoSelector,
+        arbiter: SourceArbiter,
+        *,
+        seeded: bool,
+        lane: _Lane | None = None,
+    ) -> None:
         self._owner = owner
         self.arbiter = arbiter
         self._seeded = seeded
+        self._lane = lane
         self._closed = False
         self._caps: dict[str, _AutoCap] = {}
 
@@ -280,16 +325,20 @@ class _RequestSwitcher:
             return None
         if name not in self._caps:
             inner = self._owner._factories[name]()  # fresh per request, as fixed modes get
+            if self._lane is not None and self._lane.policy is not None and not self._seeded:
+                inner = self._lane.policy(inner)
             model = _modelled_seconds(self._owner._curves.get(name)) if self._seeded else None
             self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block), model)
         return self._caps[name]
 
     def selection(self, name: str, switched: SourceSwitched | None) -> Selection:
-        return self._owner._selection(name, self._cap(name), switched, self)
+        return self._owner._selection(name, self._cap(name), switched, self, self._lane)
 
     def after_round(
         self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0
     ) -> Selection | None:
+        if self._lane is not None and self._lane.hold is not None and not self._seeded and self._lane.hold():
+            return None
         if self._seeded:
             plain = self._owner.plain
             curves = self._owner._curves.get(name) or (self._owner._curves.get(plain) if plain else None)
@@ -320,6 +369,33 @@ class _RequestSwitcher:
             owner.current = max(measured, key=lambda n: (measured[n], owner._candidates[n].source is None))
         self.arbiter.close()
         owner._carried = self.arbiter.carried()
+
+
+@attrs.frozen
+class _Lane:
+    """One batched request's view: its own sources, its policy wrapper and its hold (see `lane_view`)."""
+
+    sources: Mapping[str, DraftSource | None]
+    policy: Callable[[CapPolicy], CapPolicy] | None = None
+    hold: Callable[[], bool] | None = None
+
+
+class LaneAutoSelector:
+    """`--mode auto` for one request of a batch: the owner's rule and learned state over the lane's own view."""
+
+    def __init__(self, owner: AutoSelector, lane: _Lane) -> None:
+        self.owner = owner
+        self._lane = lane
+
+    @property
+    def mode(self) -> str:
+        return self.owner.mode
+
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        return self.owner.select_with(prompt, sampling, self._lane)
+
+    def finished(self, selection: Selection, usage: Usage) -> None:
+        self.owner.finished(selection, usage)
 
 
 @attrs.frozen(kw_only=True)

@@ -21,7 +21,9 @@ curves (`domain/costmodel/batch.py`) whether speculation still pays and at which
 rows share the batch, that plan sets the cap of every row whose policy adapts (`--max-draft auto`; 0 means
 plain batched steps, lossless), since a row's round is then one shared tick and its solo cost model would
 misread it. A fixed `--max-draft N` is obeyed at every width (its seeded sampled output stays the solo one).
-Each decision is a `BatchSpeculation` event. Auto mode still runs one request at a time.
+Each decision is a `BatchSpeculation` event. Greedy rows of one drafter draft together in one batched call
+(`RowsDraftSource.propose_rows`); sampled rows draft alone, since their q is part of their seeded output.
+Auto mode batches with each lane on auto's own rule over the lane's forks (`LaneAutoSelector`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, Protocol
 import attrs
 import structlog
 
+from mlx_dspark.application.auto_mode import AutoSelector
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.costmodel.acceptance import DecayedAcceptance
 from mlx_dspark.domain.costmodel.batch import (
@@ -112,10 +115,16 @@ BatchBackendFactory = Callable[[TargetModel], BatchBackend | None]
 
 
 def batchable(generator: GenerationService) -> bool:
-    """Whether requests of this service can share batched forwards: plain decoding, or a fixed speculative mode
-    whose draft source can fork a per-request copy (auto mode runs serially)."""
+    """Whether requests of this service can share batched forwards: plain decoding, a fixed speculative mode, or
+    auto mode, as long as every draft source involved can fork a per-request copy."""
     selector = generator.selector
-    return isinstance(selector, FixedSelector) and (selector.source is None or hasattr(selector.source, "fork"))
+    if isinstance(selector, FixedSelector):
+        sources: list[DraftSource | None] = [selector.source]
+    elif isinstance(selector, AutoSelector):
+        sources = list(selector.sources().values())
+    else:
+        return False
+    return all(source is None or hasattr(source, "fork") for source in sources)
 
 
 class _Cancelled(Exception):
@@ -144,6 +153,7 @@ class _Propose:
     ctx: DraftContext
     cap: int
     sampling: SamplingParams
+    root: DraftSource  # the service's source the lane's fork came from (forks of one root draft together)
 
 
 @attrs.frozen
@@ -309,10 +319,11 @@ class RowTarget:
 class RowDraftSource:
     """One lane's own fork of the service's draft source; every call runs on the engine thread."""
 
-    def __init__(self, inner: DraftSource, lane: Lane, join: Callable[[Any], Any]) -> None:
+    def __init__(self, inner: DraftSource, lane: Lane, join: Callable[[Any], Any], root: DraftSource) -> None:
         self._inner = inner
         self._lane = lane
         self._join = join  # FeatureRows chunks -> one features array (the backend's)
+        self.root = root
 
     @property
     def name(self) -> str:
@@ -335,7 +346,7 @@ class RowDraftSource:
         def run() -> DraftBlock:
             return self._inner.propose(joined(ctx, self._join), cap, sampling, uniforms).truncated(cap)
 
-        propose = _Propose(self._inner, ctx, cap, sampling)
+        propose = _Propose(self._inner, ctx, cap, sampling, self.root)
         block: DraftBlock = self._lane.call(_Call("draft", [], _GREEDY, 0.0, run, propose=propose))
         return block
 
@@ -553,23 +564,35 @@ class BatchScheduler:
         """The engine's service over the lane's target; a speculative mode's with the lane's own source fork."""
         assert lane.target is not None
         selector = self._generator.selector
+
+        def own(root: DraftSource) -> RowDraftSource:
+            return RowDraftSource(root.fork(), lane, self._backend.join_features, root)  # type: ignore[attr-defined]
+
+        if isinstance(selector, AutoSelector):
+            # Auto's own rule per request over the lane's forks. While rows share the batch its plan sets their
+            # caps and they stay on their sources (a shared tick is no source's own round); alone, auto decides.
+            view = selector.lane_view(own, policy=self._gated, hold=lambda: self._gate.cap is not None)
+            return self._generator.on_target(lane.target, selector=view)
         if not isinstance(selector, FixedSelector) or selector.source is None:
             return self._generator.on_target(lane.target)
-        source = RowDraftSource(selector.source.fork(), lane, self._backend.join_features)  # type: ignore[attr-defined]
+        source = own(selector.source)
         factory = selector.policy_factory
 
         def policy() -> CapPolicy:
-            inner = factory() if factory is not None else FixedCap(source.max_block)
-            if isinstance(inner, FixedCap):  # --max-draft N: obeyed at every width
-                return inner
-            curves = getattr(inner, "curves", None)
-            if self._curves is None and isinstance(curves, CostCurves):
-                self._curves = curves
-            max_cap = int(getattr(inner, "max_cap", source.max_block))
-            self._max_cap = max(self._max_cap, max_cap)
-            return _GatedCap(inner, self._gate, max_cap)
+            return self._gated(factory() if factory is not None else FixedCap(source.max_block))
 
         return self._generator.on_target(lane.target, selector=FixedSelector(selector.name, source, policy))
+
+    def _gated(self, inner: CapPolicy) -> CapPolicy:
+        """A row's adaptive cap policy under the batch's plan (its curves become the plan's); a fixed one as is."""
+        if isinstance(inner, FixedCap):  # --max-draft N: obeyed at every width
+            return inner
+        curves = getattr(inner, "curves", None)
+        if self._curves is None and isinstance(curves, CostCurves):
+            self._curves = curves
+        max_cap = int(getattr(inner, "max_cap", 1))
+        self._max_cap = max(self._max_cap, max_cap)
+        return _GatedCap(inner, self._gate, max_cap)
 
     def _admit(self, job: Any) -> None:
         if job.cancelled:
@@ -624,7 +647,12 @@ class BatchScheduler:
             ]
             if not waiting:
                 return
-            together = [lane for lane in waiting if self._drafts_with_others(lane.call_pending)]
+            groups: dict[int, list[Lane]] = {}
+            for lane in waiting:
+                root = self._joins_rows(lane.call_pending)
+                if root is not None:
+                    groups.setdefault(id(root), []).append(lane)
+            together = max(groups.values(), key=len, default=[])
             if len(together) > 1:
                 self._propose_rows(together)
                 continue
@@ -633,23 +661,25 @@ class BatchScheduler:
             self._run(waiting[0], call)
 
     def _rows_source(self) -> RowsDraftSource | None:
-        """The service's draft source when its forks draft together."""
+        """The service's draft source when it is fixed and its forks draft together."""
         selector = self._generator.selector
         source = selector.source if isinstance(selector, FixedSelector) else None
         return source if isinstance(source, RowsDraftSource) else None
 
-    def _drafts_with_others(self, call: _Call | None) -> bool:
-        return (
-            call is not None
-            and call.propose is not None
-            and call.propose.sampling.greedy  # a sampled row's q is part of its seeded output: it drafts alone
-            and self._rows_source() is not None
-        )
+    @staticmethod
+    def _joins_rows(call: _Call | None) -> RowsDraftSource | None:
+        """The source whose forks this draft call may share one batched draft with (None: it drafts alone)."""
+        if call is None or call.propose is None:
+            return None
+        if not call.propose.sampling.greedy:  # a sampled row's q is part of its seeded output: it drafts alone
+            return None
+        root = call.propose.root
+        return root if isinstance(root, RowsDraftSource) else None
 
     def _propose_rows(self, lanes: list[Lane]) -> None:
-        """One batched draft call for greedy `lanes`; what it cost (its drafts read back, as the verify would
-        read them) tells the width decision what drafting together costs."""
-        source = self._rows_source()
+        """One batched draft call for greedy `lanes` (forks of one source); what it cost (its drafts read back,
+        as the verify would read them) tells the width decision what drafting together costs."""
+        source = self._joins_rows(lanes[0].call_pending)
         assert source is not None
         proposals = [lane.call_pending.propose for lane in lanes if lane.call_pending is not None]
         rows = [(p.source, joined(p.ctx, self._backend.join_features), p.cap) for p in proposals if p is not None]
@@ -657,7 +687,7 @@ class BatchScheduler:
         try:
             blocks = source.propose_rows(rows)
             widest = max(cap for _, _, cap in rows)
-            if self._clock is not None and self._curves is not None and widest > 0:
+            if self._clock is not None and self._curves is not None and widest > 0 and source is self._rows_source():
                 for block in blocks:
                     block.tokens  # noqa: B018 - waits for the drafts, so the time is the drafting's
                 self._draft_cost.record(len(rows), self._clock.now() - started, self._curves.draft(widest))

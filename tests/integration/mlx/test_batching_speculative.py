@@ -197,6 +197,49 @@ def test_rows_drafting_together_truncate_on_their_own_confidences() -> None:
         assert_like_solo(job, solo("dspark", req, threshold=0.3))
 
 
+def auto_service() -> GenerationService:
+    """`--mode auto` over DSpark, lookup and plain decoding (fixed caps inside, so its arbiter alone moves)."""
+    from mlx_dspark.application.auto_mode import AutoSelector
+    from mlx_dspark.domain.drafting.selection import PLAIN
+
+    model = _target_model()
+    target = MlxTargetModel(model, prefill_chunk=4)
+    dspark = load_drafter("dspark", str(_drafter_dir("dspark")), model, target=target, bits=0)
+    candidates = {"dspark": dspark, "lookup": LookupDraftSource(block=BLOCK, min_n=1, max_n=3), PLAIN: None}
+    policies = {"dspark": lambda: FixedCap(BLOCK), "lookup": lambda: FixedCap(BLOCK)}
+    selector = AutoSelector(candidates, policies, {"dspark": 30.0, "lookup": 20.0, PLAIN: 10.0})
+    loaded = LoadedModel(
+        name="tiny", identity="tiny-auto", target=target, tokenizer=IdTokenizer(), context_window=4096, family="qwen3"
+    )
+    return GenerationService(loaded, selector=selector, clock=FakeClock(), telemetry=RecordingTelemetrySink())
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_auto_mode_rows_batch_and_each_equals_its_solo_run(sampled: bool) -> None:
+    # Each batched request runs auto's own rule over its lane's forks; a seeded request decides on modelled
+    # costs, so its source schedule, and with it its tokens, is the solo one.
+    reqs = requests(3, sampled=sampled, seed=70 + sampled, max_tokens=24)
+    jobs = [Job(r) for r in reqs]
+    gen = auto_service()
+    assert batchable(gen)
+    scheduler = run_batched(gen, jobs, join_every=1)
+    assert scheduler.widest == 3 and scheduler.drafting_steps > 0
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        want = auto_service().generate(req)
+        assert job.tokens() == want.token_ids and job.result().finish_reason is want.finish_reason
+        if sampled:
+            assert (job.result().rounds, job.result().source_rounds) == (want.rounds, want.source_rounds)
+
+
+def test_the_engine_thread_batches_concurrent_auto_jobs() -> None:
+    # `serve`'s default mode: concurrent requests (an agent's side requests beside its main one) share the batch.
+    reqs = requests(3, sampled=True, seed=72, max_tokens=20)
+    outs, batcher = engine_streams(auto_service, reqs)
+    assert batcher is not None and batcher.widest > 1
+    assert outs == [auto_service().generate(r).token_ids for r in reqs]
+
+
 def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batched_target, "_COMPACT_MIN", 2)
     reqs = requests(3, sampled=True, seed=5, max_tokens=40)
