@@ -647,18 +647,21 @@ class BatchScheduler:
             ]
             if not waiting:
                 return
-            groups: dict[int, list[Lane]] = {}
-            for lane in waiting:
-                root = self._joins_rows(lane.call_pending)
-                if root is not None:
-                    groups.setdefault(id(root), []).append(lane)
-            together = max(groups.values(), key=len, default=[])
-            if len(together) > 1:
-                self._propose_rows(together)
-                continue
-            call = waiting[0].call_pending
+            # Calls that draft alone (a `begin`, a sampled row, lookup) first: a lane may reach a proposal that
+            # joins the others' through them.
+            alone = next((lane for lane in waiting if self._joins_rows(lane.call_pending) is None), None)
+            if alone is None:
+                groups: dict[int, list[Lane]] = {}
+                for lane in waiting:
+                    groups.setdefault(id(self._joins_rows(lane.call_pending)), []).append(lane)
+                together = max(groups.values(), key=len)
+                if len(together) > 1:
+                    self._propose_rows(together)
+                    continue
+                alone = together[0]
+            call = alone.call_pending
             assert call is not None
-            self._run(waiting[0], call)
+            self._run(alone, call)
 
     def _rows_source(self) -> RowsDraftSource | None:
         """The service's draft source when it is fixed and its forks draft together."""
