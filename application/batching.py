@@ -69,6 +69,11 @@ class BatchBackend(Protocol):
     @property
     def width(self) -> int: ...
 
+    @property
+    def speculative(self) -> bool:
+        """Whether rows may verify drafts (else every verify is a plain step)."""
+        ...
+
     def feed(self, row: int, tokens: Sequence[int], *, capture: bool = False) -> None:
         """Queue prompt tokens of `row` (starting the row; `capture`: record target features)."""
         ...
@@ -90,8 +95,21 @@ class BatchBackend(Protocol):
         """Keep the first `keep[row]` verified rows of every row; exactly undo the rest."""
         ...
 
-    def take_features(self, row: int) -> list[Any]:
-        """Features of the row's prompt chunks since the last call."""
+    def take_features(self, row: int, *, peek: bool = False) -> list[Any]:
+        """Features of the row's prompt chunks since the last call (`peek`: left for the next call too)."""
+        ...
+
+    @property
+    def state_tag(self) -> str:
+        """The serial target's state tag when rows load and save prefix-cache states ("": they cannot)."""
+        ...
+
+    def load_row(self, row: int, state: Any, keep: int) -> int:
+        """Start `row` from a saved state cut to `keep` rows; 0 when that is not exact."""
+        ...
+
+    def row_state(self, row: int, tokens: tuple[int, ...], features: Any) -> Any:
+        """A saved state of the row's cached rows (`tokens`), or None when it does not hold exactly those."""
         ...
 
     def join_features(self, chunks: Sequence[tuple[Any, int | None]]) -> Any:
@@ -114,10 +132,13 @@ class BatchBackend(Protocol):
 BatchBackendFactory = Callable[[TargetModel], BatchBackend | None]
 
 
-def batchable(generator: GenerationService) -> bool:
+def batchable(generator: GenerationService, backend: BatchBackend | None = None) -> bool:
     """Whether requests of this service can share batched forwards: plain decoding, a fixed speculative mode, or
-    auto mode, as long as every draft source involved can fork a per-request copy."""
+    auto mode, as long as every draft source involved can fork a per-request copy, and `backend` (when given)
+    verifies drafts at all (a target with rotating or recurrent layers batches plain decoding only)."""
     selector = generator.selector
+    if backend is not None and not backend.speculative:
+        return isinstance(selector, FixedSelector) and selector.source is None
     if isinstance(selector, FixedSelector):
         sources: list[DraftSource | None] = [selector.source]
     elif isinstance(selector, AutoSelector):
@@ -191,6 +212,7 @@ class RowTarget:
         self._verified: tuple[int, DraftBlock] | None = None
         self._verified_features: Any = None
         self._features: list[tuple[Any, int | None]] = []  # committed rows' features not yet taken
+        self._taken: list[tuple[Any, int | None]] = []  # every features chunk handed out (a saved state's)
         self.capture = False  # whether this request reads target features (set by reset)
 
     def to_batched(self, unread: Any = None) -> None:
@@ -223,9 +245,9 @@ class RowTarget:
         if solo is not None:
             kept: int = self._solo(lambda: solo.reset(keep, capture=capture))
             return kept
-        if self._ids:
+        if self._ids and keep != len(self._ids):  # only the rows a loaded state gave it (the prefix cache's)
             raise RuntimeError("a batched row decodes one request")
-        return 0
+        return len(self._ids) if keep else 0
 
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
         solo = self.solo
@@ -285,13 +307,17 @@ class RowTarget:
             return None
         prompt = [(a, None) for a in self._backend.take_features(self._lane.row)] if self._backend else []
         chunks, self._features = tuple(prompt + self._features), []
+        self._taken.extend(chunks)
         return FeatureRows(chunks)
 
-    # Prefix-cache hooks: a solo row is the serial target; a batched row has no state to save (yet).
+    # Prefix-cache hooks: a solo row is the serial target; a batched row of a dense target loads a state before
+    # its prompt and saves its rows out of the batch (the backend's), both on the engine thread.
 
     @property
     def state_tag(self) -> str:
-        return self.solo.state_tag if self.solo is not None else ""  # "": no states while batched
+        if self.solo is not None:
+            return self.solo.state_tag
+        return str(getattr(self._backend, "state_tag", ""))
 
     def extend(self, tokens: Sequence[int]) -> None:
         solo = self.solo
@@ -304,16 +330,33 @@ class RowTarget:
 
     def save_state(self) -> Any:
         solo = self.solo
-        if solo is None:
-            raise RuntimeError("a batched row has no state to save")
-        return self._solo(solo.save_state)
+        if solo is not None:
+            return self._solo(solo.save_state)
+        if not self.state_tag:
+            raise RuntimeError("this target's batched rows have no state to save")
+        backend, row, tokens = self._backend, self._lane.row, tuple(self._ids)
+
+        def save() -> Any:
+            features = None
+            if self.capture:  # every row's features: those handed out, then those still waiting
+                waiting = [(a, None) for a in backend.take_features(row, peek=True)] + self._features
+                features = backend.join_features(self._taken + waiting)
+            return backend.row_state(row, tokens, features)
+
+        return self._solo(save)
 
     def load_state(self, state: Any, keep: int) -> int:
         solo = self.solo
-        if solo is None:
-            raise RuntimeError("a batched row cannot load a state")
-        loaded: int = self._solo(lambda: solo.load_state(state, keep))
-        return loaded
+        if solo is not None:
+            loaded: int = self._solo(lambda: solo.load_state(state, keep))
+            return loaded
+        if self._ids or not self.state_tag:
+            return 0
+        backend, row = self._backend, self._lane.row
+        kept: int = self._solo(lambda: backend.load_row(row, state, keep))
+        if kept:
+            self._ids = list(state.tokens[:kept])
+        return kept
 
 
 class RowDraftSource:

@@ -345,8 +345,11 @@ class EngineThread:
         if self._max_batch < 2 or self._batch_backend is None or not batchable(generator):
             return None
         backend = self._batch_backend(generator.model.target)
-        if backend is None:  # rotating or recurrent caches: served one at a time
+        if backend is None:  # e.g. quantized KV caches: served one at a time
             _log.info("engine.batching_off", reason="the target's caches have no batched form")
+            return None
+        if not batchable(generator, backend):
+            _log.info("engine.batching_off", reason="this target batches plain decoding only", mode=generator.mode)
             return None
         return BatchScheduler(
             backend,

@@ -105,6 +105,8 @@ class PrefixCache:
         if not self.enabled or target.cached_tokens == 0 or not target.state_tag:
             return False
         state = target.save_state()
+        if state is None:  # the target declined (a batched row whose rows are still under way)
+            return False
         tokens = tuple(target.cached_ids)
         tag = target.state_tag
         entry = CacheEntry(tokens=tokens, handle=state, nbytes=state.nbytes, min_length=state.min_length)

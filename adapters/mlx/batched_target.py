@@ -9,8 +9,12 @@ padding, so causal attention never lets them see it; rows never see each other).
 decided on its own logits by the serial target's functions. Rollback is per row: the columns no row keeps are
 trimmed, and a row that keeps fewer than the longest keeper gets holes — columns masked out of every later
 forward, its RoPE offset moved back to its real length — which are squeezed out once they add up.
-Finished rows are filtered out at once. Only dense KV targets batch: rotating (sliding-window) and recurrent
-caches have no batched form here, so `batch_backend` returns None for them and they run serially. On float32
+Finished rows are filtered out at once. Dense KV targets batch plain and speculative decoding. Hybrid targets
+with recurrent layers batch plain decoding only: those layers join through mlx-lm's own batched `ArraysCache`
+(`merge`, `extend`, `filter`), and a plain tick keeps every row's one token, so no row ever needs the per-row
+rollback a recurrent state lacks (`speculative` is False; a verify with drafts is refused). Rotating
+(sliding-window) caches stay serial: once a window wraps, a batched row's ring of keys starts at another phase
+than its solo ring, so attention would sum the same terms in another order and round differently. On float32
 CPU models the batched rows are bit-identical to solo decoding (tests check it); reduced-precision matmuls on
 other devices may differ in the last bits, and on the CPU a wide solo verify at long context takes NumPy's
 attention (`cpu_kernels`) while a batched verify keeps MLX's kernels, so a near tie can round differently
@@ -26,10 +30,10 @@ from typing import Any, cast
 import attrs
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
+from mlx_dspark.adapters.mlx import cache_state, cpu_kernels
 from mlx_dspark.adapters.mlx import caches as cache_ops
-from mlx_dspark.adapters.mlx import cpu_kernels
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.adapters.mlx.target import MlxTargetModel, _Recorder, default_prefill_chunk
 from mlx_dspark.domain.ports import TargetModel
@@ -105,10 +109,18 @@ class BatchedPlainTarget:
         prefill_chunk: prompt tokens per prefill forward (the serial target's value, for identical sums).
     """
 
-    def __init__(self, model: Any, *, prefill_chunk: int | None = None, serial: MlxTargetModel | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        prefill_chunk: int | None = None,
+        serial: MlxTargetModel | None = None,
+        speculative: bool = True,
+    ) -> None:
         self._model = model
         self._serial = serial
         self._chunk = prefill_chunk or default_prefill_chunk()
+        self.speculative = speculative  # whether rows may verify drafts (dense KV layers only)
         self._rows: dict[int, _Row] = {}
         self._order: list[int] = []  # row ids in batch order
         self._batch: list[BatchKVCache] | None = None
@@ -129,7 +141,67 @@ class BatchedPlainTarget:
             r = self._rows[row] = _Row(cache_ops.make_caches(self._model), capture and self._captures)
         elif r.joined:
             raise ValueError(f"row {row} is already in the batch")
+        else:  # a row that started from a saved state: whether it captures is known now
+            r.capture = capture and self._captures
         r.pending.extend(tokens)
+
+    # Prefix-cache states of dense rows: a row loads one before its prompt, and saves its rows from the batch.
+
+    @property
+    def state_tag(self) -> str:
+        """The serial target's state tag when rows can load and save states ("": they cannot)."""
+        return self._serial.state_tag if self._serial is not None and self.speculative else ""
+
+    def load_row(self, row: int, state: Any, keep: int) -> int:
+        """Start `row` from `state` cut to `keep` rows (its features too); 0 when that is not exact."""
+        if row in self._rows:
+            raise ValueError(f"row {row} is already open")
+        fresh = cache_ops.make_caches(self._model)
+        if (
+            not isinstance(state, cache_state.MlxCacheState)
+            or not self.state_tag
+            or state.tag != self.state_tag
+            or not 0 < keep <= state.length
+            or not cache_state.load(state, fresh, keep)
+        ):
+            return 0
+        r = self._rows[row] = _Row(fresh, self._captures)
+        if state.features is not None:
+            r.features = [state.features[:keep]]
+        return keep
+
+    def row_state(self, row: int, tokens: tuple[int, ...], features: mx.array | None) -> Any:
+        """A state of `row`'s cached rows (`tokens`, and the features of all of them or None), copied out of
+        the batch with its holes left out; None when the row does not hold exactly those rows."""
+        if self._pending is not None:
+            raise RuntimeError("row_state while a verify awaits its commit")
+        r = self._rows[row]
+        if not r.joined:
+            caches = r.caches
+        else:
+            assert self._batch is not None
+            i = self._order.index(row)
+            first = self._batch[0]
+            pad = int(cast(int, first.left_padding[i].item()))
+            columns = mx.arange(pad, first._idx)
+            alive = self._holes.columns(first._idx)
+            if alive is not None:
+                live = cast(list[bool], alive[i].tolist())
+                columns = mx.array([j for j in range(pad, first._idx) if live[j]], dtype=mx.int32)
+            caches = []
+            for c in self._batch:
+                one = KVCache()
+                one.keys = mx.take(c.keys[i : i + 1, :, : first._idx], columns, axis=2)
+                one.values = mx.take(c.values[i : i + 1, :, : first._idx], columns, axis=2)
+                one.offset = int(columns.shape[0])
+                caches.append(one)
+            mx.eval(cache_ops.cache_arrays(caches))
+        if not caches or caches[0].offset != len(tokens):
+            return None  # not the rows its caller counts (a piece still under way): no state
+        if features is not None and int(features.shape[0]) != len(tokens):
+            features = None  # a drafter loading it starts without this context (as after a gap)
+        return cache_state.save(caches, tag=self.state_tag, tokens=tokens, features=features)
+
 
     @property
     def _captures(self) -> bool:
@@ -217,6 +289,8 @@ class BatchedPlainTarget:
         assert self._batch is not None
         order = self._order
         n = 1 + max(len(calls[r].drafts) for r in order)
+        if n > 1 and not self.speculative:
+            raise ValueError("this target's batched rows decode plainly: its caches cannot roll back one row")
         # Padding repeats the anchor: its rows come after the row's real ones and are never kept.
         tokens = mx.array([[c.anchor, *c.drafts] + [c.anchor] * (n - 1 - len(c.drafts)) for c in map(calls.get, order)])
         record = any(self._rows[r].capture for r in order)
@@ -276,8 +350,9 @@ class BatchedPlainTarget:
             return
         assert self._batch is not None
         most = max(kept)
-        for c in self._batch:
-            c.trim(n - most)
+        if n > most:
+            for c in self._batch:
+                c.trim(n - most)
         short = [most - k for k in kept]
         if not any(short):
             return
@@ -293,12 +368,14 @@ class BatchedPlainTarget:
         if self._holes.most > max(_COMPACT_MIN, idx // 4):
             self._compact()
 
-    def take_features(self, row: int) -> list[mx.array]:
-        """Features of the row's prompt chunks since the last call, in position order."""
+    def take_features(self, row: int, *, peek: bool = False) -> list[mx.array]:
+        """Features of the row's prompt chunks since the last call, in position order (`peek`: and keep them)."""
         r = self._rows.get(row)
         if r is None:
             return []
-        out, r.features = r.features, []
+        out = list(r.features)
+        if not peek:
+            r.features = []
         return out
 
     def join_features(self, chunks: Sequence[tuple[mx.array, int | None]]) -> mx.array | None:
@@ -356,7 +433,7 @@ class BatchedPlainTarget:
             return
         assert self._batch is not None
         index = mx.array(keep)
-        before = self._batch[0]._idx
+        before = self._batch[0]._idx if self._holes.alive is not None else 0
         for c in self._batch:
             c.filter(index)
         if self._holes.alive is not None:  # filter shifted the columns left by the padding no row needs now
@@ -379,16 +456,18 @@ class BatchedPlainTarget:
     def _join(self, row: int, r: _Row) -> None:
         if self._pending is not None:
             raise RuntimeError("a row joins while a verify awaits its commit")
-        rows = [_HoleCache.merge([c]) for c in r.caches]
+        # Dense layers join as hole-aware KV; recurrent ones through mlx-lm's own batched form of their cache.
+        rows = [_HoleCache.merge([c]) if type(c) is KVCache else type(c).merge([c]) for c in r.caches]
         if self._batch is None:
             self._batch = rows
             for c in rows:
                 c.holes = self._holes
         else:
-            before = self._batch[0]._idx
+            holes = self._holes.alive is not None
+            before = self._batch[0]._idx if holes else 0
             for b, c in zip(self._batch, rows):
                 b.extend(c)
-            after = self._batch[0]._idx
+            after = self._batch[0]._idx if holes else 0
             alive = self._holes.columns(before)
             if alive is not None:  # extend left-padded the older rows by the newcomer's extra columns
                 older = mx.concatenate([mx.ones((alive.shape[0], after - before), dtype=mx.bool_), alive], axis=1)
@@ -399,13 +478,18 @@ class BatchedPlainTarget:
         r.caches = []
 
 
+_BATCHED_FORM = (KVCache, ArraysCache)  # caches whose rows join a batch exactly
+
+
 def batch_backend(target: TargetModel) -> BatchedPlainTarget | None:
-    """A batched backend for `target`, or None when its caches have no batched form (serial decoding)."""
+    """A batched backend for `target`, or None when its caches have no exact batched form (serial decoding):
+    dense KV batches plain and speculative decoding, recurrent layers beside it plain decoding."""
     if not isinstance(target, MlxTargetModel):
         return None
     # The serial target's own settings (read, not changed: target.py stays one-request).
     kv_bits, chunk = target._kv_bits, target._prefill_chunk
     probe = cache_ops.make_caches(target.model, kv_bits)
-    if not all(type(c) is KVCache for c in probe):
+    if not all(type(c) in _BATCHED_FORM for c in probe):  # rotating, quantized KV, ...: one request at a time
         return None
-    return BatchedPlainTarget(target.model, prefill_chunk=chunk, serial=target)
+    dense = all(type(c) is KVCache for c in probe)
+    return BatchedPlainTarget(target.model, prefill_chunk=chunk, serial=target, speculative=dense)

@@ -137,13 +137,14 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     settings, services, model = start_with_model(args, bar.note)
     backend = bootstrap.batch_backend_factory()(model.target)
     if backend is None:
-        raise InvalidRequest(message="this target's caches have no batched form (rotating or recurrent layers)")
+        raise InvalidRequest(message="this target's caches have no batched form (quantized KV caches)")
     requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else ["baseline"]
     runners = bench_runners(services, settings, model, requested, bar.note, bar.update)
-    unbatched = [mode for mode, gen in runners.items() if not batchable(gen)]
+    unbatched = [mode for mode, gen in runners.items() if not batchable(gen, backend)]
     if unbatched:
+        what = "plain decoding on this target" if not backend.speculative else "plain, speculative and auto modes"
         raise InvalidRequest(
-            message=f"--concurrency batches plain and fixed speculative modes; {', '.join(unbatched)} runs serially",
+            message=f"--concurrency batches {what}; {', '.join(unbatched)} runs one request at a time",
             param="modes",
         )
     points = run_concurrency_modes(

@@ -135,7 +135,8 @@ def solo(family: str, request: GenerationRequest) -> tuple[tuple[int, ...], Fini
     return result.token_ids, result.finish_reason
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+# Dense (llama, an MoE) and hybrid recurrent (qwen3_5: gated DeltaNet state beside attention).
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) -> None:
@@ -240,9 +241,33 @@ def test_a_failing_row_does_not_disturb_the_others() -> None:
         assert job.tokens() == solo("llama", req)[0]
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
-def test_rotating_and_recurrent_targets_have_no_batched_form(family: str) -> None:
-    assert batch_backend(MlxTargetModel(_model(family))) is None
+def test_recurrent_targets_batch_plain_decoding_only() -> None:
+    # A recurrent state cannot roll one row back, so speculative modes over it are served one at a time.
+    family = "qwen3_5"
+    from mlx_dspark.application.batching import batchable
+    from mlx_dspark.domain.drafting.lookup import LookupDraftSource
+
+    backend = batch_backend(MlxTargetModel(_model(family)))
+    assert backend is not None and not backend.speculative
+    assert batch_backend(MlxTargetModel(_model("llama"))).speculative  # type: ignore[union-attr]
+    plain = service(family)
+    assert batchable(plain, backend)
+    drafting = GenerationService(
+        plain.model, source=LookupDraftSource(block=3), mode="lookup", clock=FakeClock(), telemetry=plain.telemetry
+    )
+    assert batchable(drafting) and not batchable(drafting, backend)
+    backend.feed(0, [10, 11, 12])
+    first = None
+    while first is None:  # the prompt's body, then its last token
+        first = backend.prefill_step(0, SamplingParams(), 0.5)
+    with pytest.raises(ValueError, match="decode plainly"):
+        backend.verify({0: backend.row_verify(first, (5, 6), None, SamplingParams(), (0.5, 0.5, 0.5))})
+
+
+def test_rotating_and_quantized_kv_caches_have_no_batched_form() -> None:
+    # A sliding window's ring would start at another phase in the batch (other float sums); quantized KV has none.
+    assert batch_backend(MlxTargetModel(_model("gemma3_text"))) is None
+    assert batch_backend(MlxTargetModel(_model("llama"), kv_bits=8)) is None
 
 
 def engine_streams(
@@ -335,6 +360,25 @@ def test_lanes_keep_the_prefix_cache_and_a_side_request_does_not_evict_the_conve
     second = Job(turn2)
     run_batched(gen, [second], max_batch=8, join_every=1)
     assert second.result().cached_prompt_tokens >= len(turn1.prompt)  # from the cache, not the live rows
+    assert second.tokens() == solo("llama", turn2)[0]
+
+
+def test_a_turn_that_arrives_while_another_request_decodes_still_hits_and_saves_the_prefix_cache() -> None:
+    # An agent's side request decodes while the conversation's turns arrive: every turn joins the batch (so it
+    # starts from a saved state loaded into its batched row, and saves its rows out of the batch) and still
+    # reuses the previous turn's rows.
+    gen = cached_service()
+    turn1 = GenerationRequest(prompt=tuple(range(10, 40)), max_tokens=6)
+    first = Job(turn1)
+    run_batched(gen, [Job(GenerationRequest(prompt=(50, 51, 52), max_tokens=20)), first], max_batch=8, join_every=1)
+    assert first.result().cached_prompt_tokens == 0
+    turn2 = GenerationRequest(prompt=turn1.prompt + first.tokens() + (90, 91), max_tokens=6)
+    second = Job(turn2)
+    scheduler = run_batched(
+        gen, [Job(GenerationRequest(prompt=(70, 71, 72), max_tokens=20)), second], max_batch=8, join_every=1
+    )
+    assert scheduler.widest == 2 and scheduler.migrations == 1  # the side request started alone, then moved in
+    assert second.result().cached_prompt_tokens >= len(turn1.prompt) + len(first.tokens()) - 1
     assert second.tokens() == solo("llama", turn2)[0]
 
 

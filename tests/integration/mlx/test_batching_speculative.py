@@ -240,6 +240,36 @@ def test_the_engine_thread_batches_concurrent_auto_jobs() -> None:
     assert outs == [auto_service().generate(r).token_ids for r in reqs]
 
 
+def test_a_batched_speculative_turn_reuses_and_saves_the_prefix_with_its_drafter_features() -> None:
+    # Both turns run batched beside a side request: the first saves its rows (holes squeezed out) and features
+    # out of the batch, the second loads them into its row and its drafter reads the loaded features.
+    from mlx_dspark.application.prefix_cache import PrefixCache
+
+    base = service("dspark")
+    gen = GenerationService(
+        base.model,
+        source=base.selector.source,  # type: ignore[attr-defined]
+        mode="dspark",
+        clock=FakeClock(),
+        telemetry=RecordingTelemetrySink(),
+        cap_policy_factory=lambda: FixedCap(BLOCK),
+        prefix_cache=PrefixCache(1 << 26),
+    )
+    side = requests(2, sampled=False, seed=80, max_tokens=30)
+    turn1 = requests(1, sampled=False, seed=81, max_tokens=12)[0]
+    first = Job(turn1)
+    run_batched(gen, [Job(side[0]), first], join_every=1)
+    turn2 = GenerationRequest(prompt=turn1.prompt + first.tokens() + (9, 10), max_tokens=12)
+    second = Job(turn2)
+    scheduler = run_batched(gen, [Job(side[1]), second], join_every=1)
+    assert scheduler.widest == 2
+    assert second.result().cached_prompt_tokens >= len(turn1.prompt)
+    assert second.result().drafted > 0
+    for job, req in [(first, turn1), (second, turn2)]:
+        assert job.ended == "end", job.error
+        assert job.tokens() == solo("dspark", req).token_ids
+
+
 def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batched_target, "_COMPACT_MIN", 2)
     reqs = requests(3, sampled=True, seed=5, max_tokens=40)
