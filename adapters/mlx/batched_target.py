@@ -13,8 +13,9 @@ Finished rows are filtered out at once. Dense KV targets batch plain and specula
 with recurrent layers batch plain decoding only: those layers join through mlx-lm's own batched `ArraysCache`
 (`merge`, `extend`, `filter`), and a plain tick keeps every row's one token, so no row ever needs the per-row
 rollback a recurrent state lacks (`speculative` is False; a verify with drafts is refused). Rotating
-(sliding-window) caches stay serial: once a window wraps, a batched row's ring of keys starts at another phase
-than its solo ring, so attention would sum the same terms in another order and round differently. On float32
+(sliding-window) layers batch plain decoding too, each row keeping its own ring exactly as its lone cache
+would (`_RingRows`): a shared batched ring would start each row at another phase, so attention would sum the
+same terms in another order and round differently. On float32
 CPU models the batched rows are bit-identical to solo decoding (tests check it); reduced-precision matmuls on
 other devices may differ in the last bits, and on the CPU a wide solo verify at long context takes NumPy's
 attention (`cpu_kernels`) while a batched verify keeps MLX's kernels, so a near tie can round differently
@@ -30,7 +31,7 @@ from typing import Any, cast
 import attrs
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from mlx_dspark.adapters.mlx import cache_state, cpu_kernels
 from mlx_dspark.adapters.mlx import caches as cache_ops
@@ -73,6 +74,66 @@ class _HoleCache(BatchKVCache):  # type: ignore[misc]
         if alive is not None:
             mask = mask & alive[:, None, None, :]
         return mask
+
+
+class _RingRows:
+    """A rotating (sliding-window) layer of batched rows for plain decoding: every row keeps its own
+    `RotatingKVCache`, updated exactly as a lone request's is (growth, trim, rotation), so its keys keep their
+    solo physical order; a step hands attention every row's keys right-padded to the longest, with a mask."""
+
+    def __init__(self, rows: list[RotatingKVCache]) -> None:
+        self.rows = rows
+
+    @classmethod
+    def merge(cls, caches: Sequence[RotatingKVCache]) -> _RingRows:
+        copies = []
+        for c in caches:  # own handles: the serial target's cache may go on without this row
+            twin = RotatingKVCache(c.max_size, c.keep)
+            twin.state = cache_ops.fresh_handles(c.state)
+            copies.append(twin)
+        return cls(copies)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([r.offset for r in self.rows])
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
+        if N != 1:
+            raise ValueError("batched sliding-window rows decode one token a step")
+        # Each row's keys after this step's update, and the mask its own cache would give (None: all of them).
+        lengths = [min(r.offset + 1, r.max_size) for r in self.rows]
+        width = max(lengths)
+        masks = []
+        for r, n in zip(self.rows, lengths, strict=True):
+            own = r.make_mask(1, window_size=window_size)
+            row = mx.ones((n,), dtype=mx.bool_) if own is None else own.astype(mx.bool_)
+            masks.append(mx.concatenate([row, mx.zeros((width - n,), dtype=mx.bool_)]) if n < width else row)
+        return mx.stack(masks)[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        ks, vs = [], []
+        for i, r in enumerate(self.rows):
+            k, v = r.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            ks.append(k)
+            vs.append(v)
+        width = max(k.shape[2] for k in ks)
+
+        def padded(a: mx.array) -> mx.array:
+            if a.shape[2] == width:
+                return a
+            pad = mx.zeros((*a.shape[:2], width - a.shape[2], a.shape[3]), dtype=a.dtype)
+            return mx.concatenate([a, pad], axis=2)
+
+        return mx.concatenate([padded(k) for k in ks]), mx.concatenate([padded(v) for v in vs])
+
+    def filter(self, batch_indices: mx.array) -> None:
+        self.rows = [self.rows[i] for i in cast(list[int], batch_indices.tolist())]
+
+    def extend(self, other: _RingRows) -> None:
+        self.rows.extend(other.rows)
+
+    def arrays(self) -> list[mx.array]:
+        return cache_ops.cache_arrays(list(self.rows))
 
 
 @attrs.frozen
@@ -319,7 +380,7 @@ class BatchedPlainTarget:
                     ).astype(mx.int32)
                 )
         flat = mx.concatenate(out) if len(out) > 1 else out[0]
-        mx.eval(flat, cache_ops.cache_arrays(self._batch), [] if features is None else features)
+        mx.eval(flat, _arrays(self._batch), [] if features is None else features)
         values = cast(list[int], flat.tolist())
         verdicts: dict[int, Acceptance] = {}
         for j, i in enumerate(greedy):
@@ -406,7 +467,7 @@ class BatchedPlainTarget:
             c.values = mx.take_along_axis(c.values[..., :idx, :], index, axis=2)
             c._idx = width
             c.left_padding = left
-        mx.eval(cache_ops.cache_arrays(self._batch))
+        mx.eval(_arrays(self._batch))
         self._holes.alive = None
         self._holes.most = 0
         self.compactions += 1
@@ -456,8 +517,7 @@ class BatchedPlainTarget:
     def _join(self, row: int, r: _Row) -> None:
         if self._pending is not None:
             raise RuntimeError("a row joins while a verify awaits its commit")
-        # Dense layers join as hole-aware KV; recurrent ones through mlx-lm's own batched form of their cache.
-        rows = [_HoleCache.merge([c]) if type(c) is KVCache else type(c).merge([c]) for c in r.caches]
+        rows = [_joined(c) for c in r.caches]
         if self._batch is None:
             self._batch = rows
             for c in rows:
@@ -472,24 +532,42 @@ class BatchedPlainTarget:
             if alive is not None:  # extend left-padded the older rows by the newcomer's extra columns
                 older = mx.concatenate([mx.ones((alive.shape[0], after - before), dtype=mx.bool_), alive], axis=1)
                 self._holes.alive = mx.concatenate([older, mx.ones((1, after), dtype=mx.bool_)], axis=0)
-        mx.eval(cache_ops.cache_arrays(self._batch))  # copies now: the rows' own caches may change later
+        mx.eval(_arrays(self._batch))  # copies now: the rows' own caches may change later
         self._order.append(row)
         r.joined = True
         r.caches = []
 
 
-_BATCHED_FORM = (KVCache, ArraysCache)  # caches whose rows join a batch exactly
+_BATCHED_FORM = (KVCache, RotatingKVCache, ArraysCache)  # caches whose rows join a batch exactly
+
+
+def _joined(cache: Any) -> Any:
+    """One row's cache as a batch of one: dense KV hole-aware, a sliding window as its own ring, a recurrent
+    state through mlx-lm's own batched `ArraysCache`."""
+    if type(cache) is KVCache:
+        return _HoleCache.merge([cache])
+    if type(cache) is RotatingKVCache:
+        return _RingRows.merge([cache])
+    return type(cache).merge([cache])
+
+
+def _arrays(batch: list[Any]) -> list[mx.array]:
+    """Every array holding a batch's state (for `mx.eval`)."""
+    out: list[mx.array] = []
+    for c in batch:
+        out.extend(c.arrays() if isinstance(c, _RingRows) else cache_ops.cache_arrays([c]))
+    return out
 
 
 def batch_backend(target: TargetModel) -> BatchedPlainTarget | None:
     """A batched backend for `target`, or None when its caches have no exact batched form (serial decoding):
-    dense KV batches plain and speculative decoding, recurrent layers beside it plain decoding."""
+    dense KV batches plain and speculative decoding, sliding-window and recurrent layers beside it plain decoding."""
     if not isinstance(target, MlxTargetModel):
         return None
     # The serial target's own settings (read, not changed: target.py stays one-request).
     kv_bits, chunk = target._kv_bits, target._prefill_chunk
     probe = cache_ops.make_caches(target.model, kv_bits)
-    if not all(type(c) in _BATCHED_FORM for c in probe):  # rotating, quantized KV, ...: one request at a time
+    if not all(type(c) in _BATCHED_FORM for c in probe):  # quantized KV, nested caches: one request at a time
         return None
     dense = all(type(c) is KVCache for c in probe)
     return BatchedPlainTarget(target.model, prefill_chunk=chunk, serial=target, speculative=dense)

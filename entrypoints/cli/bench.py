@@ -137,7 +137,7 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     settings, services, model = start_with_model(args, bar.note)
     backend = bootstrap.batch_backend_factory()(model.target)
     if backend is None:
-        raise InvalidRequest(message="this target's caches have no batched form (quantized KV caches)")
+        raise InvalidRequest(message="this target's caches have no batched form (quantized KV or nested caches)")
     requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else ["baseline"]
     runners = bench_runners(services, settings, model, requested, bar.note, bar.update)
     unbatched = [mode for mode, gen in runners.items() if not batchable(gen, backend)]

@@ -135,8 +135,9 @@ def solo(family: str, request: GenerationRequest) -> tuple[tuple[int, ...], Fini
     return result.token_ids, result.finish_reason
 
 
-# Dense (llama, an MoE) and hybrid recurrent (qwen3_5: gated DeltaNet state beside attention).
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5"])
+# Dense (llama, an MoE), sliding windows of 8 tokens beside global layers (gemma3: the rows' rings wrap at
+# different phases) and hybrid recurrent (qwen3_5: gated DeltaNet state beside attention).
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text", "qwen3_5"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) -> None:
@@ -241,9 +242,10 @@ def test_a_failing_row_does_not_disturb_the_others() -> None:
         assert job.tokens() == solo("llama", req)[0]
 
 
-def test_recurrent_targets_batch_plain_decoding_only() -> None:
-    # A recurrent state cannot roll one row back, so speculative modes over it are served one at a time.
-    family = "qwen3_5"
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+def test_sliding_window_and_recurrent_targets_batch_plain_decoding_only(family: str) -> None:
+    # A ring or a recurrent state cannot roll one row back, so speculative modes over them are served one at a
+    # time.
     from mlx_dspark.application.batching import batchable
     from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 
@@ -264,9 +266,7 @@ def test_recurrent_targets_batch_plain_decoding_only() -> None:
         backend.verify({0: backend.row_verify(first, (5, 6), None, SamplingParams(), (0.5, 0.5, 0.5))})
 
 
-def test_rotating_and_quantized_kv_caches_have_no_batched_form() -> None:
-    # A sliding window's ring would start at another phase in the batch (other float sums); quantized KV has none.
-    assert batch_backend(MlxTargetModel(_model("gemma3_text"))) is None
+def test_quantized_kv_caches_have_no_batched_form() -> None:
     assert batch_backend(MlxTargetModel(_model("llama"), kv_bits=8)) is None
 
 
