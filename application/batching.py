@@ -49,7 +49,7 @@ from mlx_dspark.domain.costmodel.batch import (
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
-from mlx_dspark.domain.drafting.selection import FixedSelector
+from mlx_dspark.domain.drafting.selection import FixedSelector, Selection
 from mlx_dspark.domain.events import BatchSpeculation, BatchStepped
 from mlx_dspark.domain.ports import DraftSource, RollbackKind, RowsDraftSource, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams
@@ -401,6 +401,20 @@ def joined(ctx: DraftContext, join: Callable[[Any], Any]) -> DraftContext:
     return ctx
 
 
+@attrs.define
+class _LaneSelector(FixedSelector):
+    """A fixed mode's selector for one lane: the batch's plan sets its adaptive caps while rows share the batch,
+    except a seeded request's, which learn from modelled seconds (so its tokens are its solo ones)."""
+
+    gated: Callable[[CapPolicy], CapPolicy] = lambda policy: policy
+
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        selection = super().select(prompt, sampling)
+        if selection.policy is None or (sampling is not None and sampling.seeded):
+            return selection
+        return attrs.evolve(selection, policy=self.gated(selection.policy))
+
+
 class _Gate:
     """The scheduler's cap for the next tick, read by every lane's adaptive cap policy.
 
@@ -622,9 +636,10 @@ class BatchScheduler:
         factory = selector.policy_factory
 
         def policy() -> CapPolicy:
-            return self._gated(factory() if factory is not None else FixedCap(source.max_block))
+            return factory() if factory is not None else FixedCap(source.max_block)
 
-        return self._generator.on_target(lane.target, selector=FixedSelector(selector.name, source, policy))
+        lane_selector = _LaneSelector(selector.name, source, policy, self._gated)
+        return self._generator.on_target(lane.target, selector=lane_selector)
 
     def _gated(self, inner: CapPolicy) -> CapPolicy:
         """A row's adaptive cap policy under the batch's plan (its curves become the plan's); a fixed one as is."""

@@ -58,6 +58,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: the same request must give the same tokens, so nothing it draws may depend on
+        wall time (a cap decides how many uniforms a round draws)."""
+        return not self.greedy and self.seed is not None
+
 
 def _check_max_tokens(_: object, __: attrs.Attribute[int], value: int) -> None:
     if value < 1:

@@ -9,6 +9,7 @@ import attrs
 
 from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
 from mlx_dspark.domain.costmodel.curves import CostCurves, expected_tokens
+from mlx_dspark.domain.tokens import SamplingParams
 
 
 @attrs.frozen(kw_only=True)
@@ -184,3 +185,29 @@ class MeasuredCap:
         else:
             reason = "re-optimized from observed acceptance and round times"
         return CapDecision(old=old, new=new, reason=reason)
+
+
+@attrs.define
+class ModelledSeconds:
+    """A cap policy fed each round's calibrated (modelled) seconds instead of its wall time.
+
+    For a seeded request: a round draws as many uniforms as its cap asks, so caps that follow wall time would
+    make the same seed give other tokens on a busier run or beside other requests in a batch.
+    """
+
+    inner: CapPolicy
+    curves: CostCurves
+
+    def cap(self, depth: int) -> int:
+        return self.inner.cap(depth)
+
+    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
+        return self.inner.observe(drafted, accepted, self.curves.round_seconds(drafted, depth), depth)
+
+
+def repeatable(policy: CapPolicy, sampling: SamplingParams | None) -> CapPolicy:
+    """`policy` for a request of `sampling`: a seeded request's calibrated policy learns from modelled seconds."""
+    curves = getattr(policy, "curves", None)
+    if sampling is not None and sampling.seeded and isinstance(curves, CostCurves):
+        return ModelledSeconds(policy, curves)
+    return policy

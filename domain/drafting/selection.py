@@ -13,7 +13,7 @@ from typing import Protocol
 
 import attrs
 
-from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
+from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, repeatable
 from mlx_dspark.domain.events import SourceSwitched, Usage
 from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
@@ -86,6 +86,8 @@ class FixedSelector:
 
     def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
         policy = self.policy_factory() if (self.policy_factory is not None and self.source is not None) else None
+        if policy is not None:  # a seeded request's caps must not follow wall time
+            policy = repeatable(policy, sampling)
         return Selection(name=self.name, source=self.source, policy=policy)
 
     def finished(self, selection: Selection, usage: Usage) -> None:

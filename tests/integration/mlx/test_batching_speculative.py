@@ -270,6 +270,29 @@ def test_a_batched_speculative_turn_reuses_and_saves_the_prefix_with_its_drafter
         assert job.tokens() == solo("dspark", req).token_ids
 
 
+def test_a_seeded_request_with_an_adaptive_cap_gives_its_tokens_on_any_clock_and_in_any_batch() -> None:
+    # `--max-draft auto`: caps decide how many uniforms a round draws, so a seeded request's must not follow wall
+    # time (a slower run, or the batch's plan beside other rows). Its policy learns from modelled seconds.
+    def measured() -> CapPolicy:
+        return MeasuredCap(curves=KNEE, max_cap=BLOCK)
+
+    def run_alone(tick: float, req: GenerationRequest) -> Any:
+        gen = service("dspark", measured)
+        gen._clock = FakeClock(tick)  # type: ignore[attr-defined]
+        return gen.generate(req)
+
+    reqs = requests(3, sampled=True, seed=90, max_tokens=30)
+    for req in reqs:
+        fast, slow = run_alone(0.001, req), run_alone(0.05, req)
+        assert fast.token_ids == slow.token_ids and fast.cap_histogram == slow.cap_histogram
+    jobs = [Job(r) for r in reqs]
+    scheduler = run_batched(service("dspark", measured), jobs, join_every=1, max_batch=3)
+    assert scheduler.widest == 3 and scheduler.drafting_steps > 0
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        assert job.tokens() == run_alone(0.001, req).token_ids
+
+
 def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batched_target, "_COMPACT_MIN", 2)
     reqs = requests(3, sampled=True, seed=5, max_tokens=40)
