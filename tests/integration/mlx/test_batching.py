@@ -382,6 +382,24 @@ def test_a_turn_that_arrives_while_another_request_decodes_still_hits_and_saves_
     assert second.tokens() == solo("llama", turn2)[0]
 
 
+def test_batched_rows_that_end_on_an_eos_still_save_their_prefix() -> None:
+    # A round whose next token is EOS keeps none of its rows and ends the row; its state is still saved.
+    pool = [r for seed in range(6) for r in requests(8, sampled=False, seed=seed)]
+    ending = [r for r in pool if solo("llama", r)[1] is FinishReason.STOP and solo("llama", r)[0]][:3]
+    assert len(ending) == 3
+    gen = cached_service()
+    jobs = [Job(r) for r in ending]
+    scheduler = run_batched(gen, jobs, max_batch=8, join_every=1)
+    assert scheduler.widest > 1
+    for job, req in zip(jobs, ending):
+        assert job.ended == "end", job.error
+        assert job.tokens() == solo("llama", req)[0]
+    assert gen.prefix_cache is not None
+    saved = {e.tokens for e in gen.prefix_cache.entries(gen.model.target.state_tag)}
+    # Every row is cached but the last committed token (the next anchor, not yet forwarded).
+    assert all(tuple(req.prompt) + tuple(job.tokens())[:-1] in saved for job, req in zip(jobs, ending))
+
+
 def test_batched_rows_with_a_prefix_cache_still_equal_solo_decoding() -> None:
     reqs = requests(4, sampled=True, seed=21)
     jobs = [Job(r) for r in reqs]
