@@ -15,6 +15,7 @@ earlier levels taught them.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -126,10 +127,9 @@ def _measure(
     )
 
 
-def _median(xs: Sequence[float]) -> float:
-    ordered = sorted(xs)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def _paired(runs: Sequence[_Run], plain: Sequence[_Run], rate: Callable[[_Run], float]) -> float:
+    """The median over trials of each run's rate against plain decoding's run just before it."""
+    return statistics.median([rate(r) / rate(p) if rate(p) > 0 else 0.0 for r, p in zip(runs, plain, strict=True)])
 
 
 def run_concurrency_modes(
@@ -177,7 +177,7 @@ def run_concurrency_modes(
         plain = runs[modes[0]]
         for m, mode in enumerate(modes):
             done = runs[mode]
-            decode = _median([r.decode for r in done])
+            decode = statistics.median([r.decode for r in done])
             if mode not in base:
                 reference[mode], base[mode] = done[0].jobs[0].tokens, decode
             lossless = all(r.jobs[0].tokens == reference[mode] for r in done)
@@ -188,7 +188,7 @@ def run_concurrency_modes(
             results = [j.result for j in jobs if j.result is not None]
             rounds = sum(r.rounds for r in results)
             committed = sum(r.mean_accepted * r.rounds for r in results)
-            wall = _median([r.wall for r in done])
+            wall = statistics.median([r.wall for r in done])
             points.append(
                 ConcurrencyPoint(
                     concurrency=n,
@@ -201,12 +201,12 @@ def run_concurrency_modes(
                     lossless=lossless,
                     mode=mode,
                     # Paired: each trial's ratio against plain decoding's run just before it.
-                    vs_baseline=_median([r.decode / p.decode if p.decode > 0 else 0.0 for r, p in zip(done, plain)]),
+                    vs_baseline=_paired(done, plain, lambda r: r.decode),
                     drafting_steps=sum(r.drafting for r in done) // len(done),
                     rounds=rounds,
                     tokens_per_round=committed / rounds if rounds else 0.0,
-                    full_tokens_per_second=_median([r.full for r in done]),
-                    full_vs_baseline=_median([r.full / p.full if p.full > 0 else 0.0 for r, p in zip(done, plain)]),
+                    full_tokens_per_second=statistics.median([r.full for r in done]),
+                    full_vs_baseline=_paired(done, plain, lambda r: r.full),
                     trials=trials,
                 )
             )

@@ -17,12 +17,10 @@ from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
 from mlx_dspark.adapters.mlx.drafters.config import DFlashConfig
-from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
+from mlx_dspark.adapters.mlx.drafters.source import ARGMAX, BackboneDraftSource, pick
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.tokens import SamplingParams
-
-_ARGMAX = SamplingParams()  # greedy: drafts are the argmax of each slot
 
 
 class DFlashDrafter(DrafterBackbone, heads.DraftVocabulary):
@@ -146,5 +144,5 @@ class DFlashDraftSource(BackboneDraftSource):
         return 1
 
     def greedy_slots(self, h: mx.array, anchors: mx.array) -> tuple[mx.array, mx.array | None]:
-        tokens, _ = pick(self.drafter.logits(h), _ARGMAX, None)
+        tokens, _ = pick(self.drafter.logits(h), ARGMAX, None)
         return self.drafter.to_target_ids(tokens), None

@@ -22,14 +22,12 @@ from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
 from mlx_dspark.adapters.mlx.drafters.config import DSparkConfig
-from mlx_dspark.adapters.mlx.drafters.source import BackboneDraftSource, pick
+from mlx_dspark.adapters.mlx.drafters.source import ARGMAX, BackboneDraftSource, pick
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.confidence import confident_prefix_length
 from mlx_dspark.domain.errors import IncompatibleDrafter
 from mlx_dspark.domain.tokens import SamplingParams
-
-_ARGMAX = SamplingParams()  # greedy: drafts are the argmax of each corrected slot
 
 
 class MarkovHead(nn.Module):
@@ -305,5 +303,5 @@ class DSparkDraftSource(BackboneDraftSource):
         return self.drafter.dspark_config.first_draft_slot
 
     def greedy_slots(self, h: mx.array, anchors: mx.array) -> tuple[mx.array, mx.array | None]:
-        tokens, _, confidences = self._chain(h, anchors, _ARGMAX, None)
+        tokens, _, confidences = self._chain(h, anchors, ARGMAX, None)
         return tokens, confidences

@@ -18,6 +18,7 @@ from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
 PROPOSALS = ("sample", "argmax")
+ARGMAX = SamplingParams()  # greedy drafts: the argmax of each slot
 
 
 class BackboneDraftSource:
