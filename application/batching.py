@@ -488,6 +488,7 @@ class Lane:
         self._go.wait()
         self._go.clear()
         items: Iterator[Any] | None = None
+        outcome: tuple[str, Any] = ("end", None)
         try:
             items = self.job.work(self.service)
             for item in items:
@@ -497,18 +498,21 @@ class Lane:
         except _Cancelled:
             pass
         except Exception as exc:  # a failed row must never disturb the others
-            self._push(self.job, "error", exc)
-            return
+            outcome = ("error", exc)
         finally:
             close = getattr(items, "close", None)
             try:
                 if close is not None:
-                    close()
+                    close()  # the stream's own way out (its prefix-cache save)
+            except _Cancelled:
+                pass
+            except Exception as exc:  # the request's output is complete: a failed save on the way out is logged
+                _log.warning("batching.close_failed", error=str(exc), row=self.row)
             finally:
                 self.done = True
                 self.call_pending = None
                 self._parked.set()
-        self._push(self.job, "end", None)
+        self._push(self.job, *outcome)
 
     # In the scheduler's thread.
 
@@ -673,6 +677,8 @@ class BatchScheduler:
             if lane in self._lanes:
                 self._lanes.remove(lane)
         elif lane.job.cancelled and lane.call_pending is not None:
+            if lane.call_pending.kind == "solo":  # its bookkeeping on the way out (a state save) still runs
+                return
             self._backend.close(lane.row)
             lane.resume(_Cancelled())
             self._settle(lane)
@@ -827,6 +833,21 @@ class BatchScheduler:
         )
         self._generator.telemetry.emit(TELEMETRY_ID, event)
 
+    def _quiesce(self) -> None:
+        """Run every lane's engine-thread calls that are not a round of its own (drafts; a batched row's state
+        save or load; a solo row's bookkeeping) until each lane waits on the batch, on a solo round or prompt
+        chunk, or has ended. A row that joined the batch with its first token may end at once (a budget of one
+        token, an EOS) and save its state before it leaves: the tick's forward must not start before it has."""
+        while True:
+            self._drafts()
+            busy = [lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "solo"]
+            if not busy:
+                return
+            for lane in busy:
+                call = lane.call_pending
+                assert call is not None
+                self._run(lane, call)
+
     def _tick_rows(self) -> tuple[int, int, int, int]:
         """One tick; returns (solo rows decoded, rows that ran a prompt chunk, width of the batched forward,
         rows of it that verified drafts)."""
@@ -878,13 +899,13 @@ class BatchScheduler:
             if done:
                 lane.resume(token)
                 self._settle(lane)
-        self._drafts()  # rows that just got their first token draft their first block
+        self._quiesce()  # rows that just got their first token: their bookkeeping, then their first block
         stepping = [
             lane for lane in self._lanes if lane.call_pending is not None and lane.call_pending.kind == "verify"
         ]
         if not stepping:
             return solo, prefilled, 0, 0
-        if len(stepping) != self._backend.width:  # every row in the batch waits for its verify between ticks
+        if len(stepping) != self._backend.width:  # by construction every row in the batch waits for its verify
             raise RuntimeError(f"{len(stepping)} rows asked for a verify of a batch of {self._backend.width}")
         calls = {lane.row: lane.call_pending for lane in stepping}
         try:

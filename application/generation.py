@@ -256,6 +256,7 @@ class GenerationService:
                     text = "".join(emitted)
                     if text:
                         text_parts.append(text)
+                    if text or kept:  # every committed id streams, also one whose text is held back or a stop's
                         yield TextChunk(text=text, token_ids=tuple(kept))
                 elif isinstance(event, RoundFinished):
                     caps[event.cap] += 1
