@@ -465,6 +465,7 @@ class Lane:
         self.service: GenerationService | None = None  # set before the first resume
         self.target: RowTarget | None = None
         self._push = push
+        self.aborted = False  # the engine failed: the job was answered; the thread only winds down
         self._result: int | BaseException | None = None
         self._go = threading.Event()
         self._parked = threading.Event()
@@ -473,6 +474,8 @@ class Lane:
     # In the lane's thread.
 
     def call(self, request: _Call) -> Any:
+        if self.aborted:
+            raise _Cancelled()
         if self.spent and request.kind != "solo":  # its last state may still be saved (the prefix cache's)
             raise RuntimeError("a finished row asked for another step")
         self.call_pending = request
@@ -512,7 +515,8 @@ class Lane:
                 self.done = True
                 self.call_pending = None
                 self._parked.set()
-        self._push(self.job, *outcome)
+        if not self.aborted:
+            self._push(self.job, *outcome)
 
     # In the scheduler's thread.
 
@@ -616,6 +620,19 @@ class BatchScheduler:
                 self._admit(job)
             self._tick()
         self._report(0, 0)  # drained: nothing decodes until the next job
+
+    def abort(self, failure: Exception) -> None:
+        """The engine failed mid-tick: every lane's job gets `failure` now, and its thread winds down without
+        touching the model again (this scheduler and its backend are dropped)."""
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            self._push(lane.job, "error", failure)
+            lane.aborted = True
+            if lane.call_pending is not None:
+                try:
+                    lane.resume(_Cancelled())
+                except Exception as exc:  # pragma: no cover - a lane's thread handles its own errors
+                    _log.warning("batching.abort_failed", error=str(exc), row=lane.row)
 
     def _report(self, width: int, prefilling: int, drafting: int = 0) -> None:
         event = BatchStepped(width=width, prefilling=prefilling, drafting=drafting)

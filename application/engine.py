@@ -7,6 +7,10 @@ job (client disconnect) closes its iterator at the next item, which stops the de
 The queue is bounded (`max_queue` jobs waiting; one more is refused with `Overloaded`). Quick jobs (token
 counting) run on the same thread between two items of the running job, so they never wait for a whole
 generation and the tokenizer is only ever used from this thread.
+
+The thread supervises itself: an error that escapes the serving loop (a bug; a failed request never does)
+ends every in-flight job at once with `EngineRestarted`, resets the target and serves on with the model still
+loaded; repeated failures within a minute reload the model. `restarts` and `last_restart` say what happened.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -33,6 +38,24 @@ _log = structlog.get_logger("mlx_dspark.engine")
 class EngineDown(CapacityExceeded):
     """The engine thread is not running (the model failed to load, or the thread died)."""
 
+
+@attrs.define(auto_exc=True, kw_only=True)
+class EngineRestarted(CapacityExceeded):
+    """The engine failed while this request was in flight and restarted; the request may be sent again."""
+
+
+@attrs.frozen
+class Restart:
+    """One recovery of the engine thread: when (Unix time), why, and whether the model was loaded again."""
+
+    at: float
+    cause: str
+    reloaded: bool
+
+
+_CAUSE_CHARS = 300  # a cause is shown on /health: bounded
+_CRASH_WINDOW_S = 60.0
+_CRASHES_BEFORE_RELOAD = 3  # failures within the window after which the model is loaded again
 
 _ITEM, _ERROR, _END = "item", "error", "end"
 _WAKE = object()  # puts the idle engine thread to work on the quick lane
@@ -133,6 +156,10 @@ class EngineThread:
         self._held: EngineJob[Any] | None = None  # an exclusive job waiting for the batch to drain
         self.load_error: BaseException | None = None
         self._stopping = False
+        self.restarts = 0
+        self.last_restart: Restart | None = None
+        self._crashes: list[float] = []  # monotonic times of recent failures (the reload rule's window)
+        self._running: EngineJob[Any] | None = None  # the job `_run` serves now (ended at once on a failure)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -264,26 +291,71 @@ class EngineThread:
                 max_batch=self._max_batch if self._batcher is not None else 1,
             )
             while True:
-                job = self._held if self._held is not None else self._jobs.get()
-                self._held = None
-                if job is None:
-                    self._flush_prefix_cache(self._generator)
+                try:
+                    self._serve()
                     return
-                if job is not _WAKE:
-                    self._taken()
-                    if self._stopping:  # queued before stop(): answered, not run
-                        job._push(_ERROR, EngineDown(message=self._down_message()))
-                        continue
-                    if self._batcher is not None and not job.exclusive:
-                        self._batcher.run(job, self._take, lambda: self._stopping, self._quick_between)
-                    else:
-                        served = self._generator
-                        self._run(job, served)
-                        if self._generator is not served:  # a switch: batch the new service's target
-                            self._batcher = self._make_batcher(self._generator)
-                self._run_quick(self._generator)
+                except Exception as exc:  # a bug in the serving loop: end what is in flight, serve on
+                    if not self._recover(exc):
+                        return
         finally:
             self._drain()
+
+    def _serve(self) -> None:
+        """Serve jobs until the stop marker."""
+        assert self._generator is not None
+        while True:
+            job = self._held if self._held is not None else self._jobs.get()
+            self._held = None
+            if job is None:
+                self._flush_prefix_cache(self._generator)
+                return
+            if job is not _WAKE:
+                self._taken()
+                if self._stopping:  # queued before stop(): answered, not run
+                    job._push(_ERROR, EngineDown(message=self._down_message()))
+                    continue
+                if self._batcher is not None and not job.exclusive:
+                    self._batcher.run(job, self._take, lambda: self._stopping, self._quick_between)
+                else:
+                    served = self._generator
+                    self._run(job, served)
+                    if self._generator is not served:  # a switch: batch the new service's target
+                        self._batcher = self._make_batcher(self._generator)
+            self._run_quick(self._generator)
+
+    def _recover(self, exc: Exception) -> bool:
+        """After a failure of the serving loop: end every in-flight job with `EngineRestarted`, reset the target
+        (its cache may be half-written) and the batch, and reload the model when failures repeat. False when
+        the engine cannot go on (the reload failed)."""
+        cause = f"{type(exc).__name__}: {exc}"[:_CAUSE_CHARS]
+        now = time.monotonic()
+        self._crashes = [t for t in self._crashes if now - t < _CRASH_WINDOW_S] + [now]
+        reload = len(self._crashes) >= _CRASHES_BEFORE_RELOAD
+        _log.error("engine.crashed", error=cause, restarts=self.restarts + 1, reload=reload, exc_info=exc)
+        message = f"the inference engine failed and restarted ({cause}); send the request again"
+        failure = EngineRestarted(message=message)
+        if self._batcher is not None:
+            self._batcher.abort(failure)
+        if self._running is not None:
+            self._running._push(_ERROR, failure)
+            self._running = None
+        self.restarts += 1
+        self.last_restart = Restart(at=time.time(), cause=cause, reloaded=reload)
+        try:
+            if reload:
+                self._crashes = []
+                generator = self._factory()
+                self._serving(generator)
+                self._generator = generator
+            assert self._generator is not None
+            self._generator.model.target.reset(0)
+            self._batcher = self._make_batcher(self._generator)
+        except BaseException as err:
+            self.load_error = err
+            _log.error("engine.restart_failed", error=str(err), exc_info=err)
+            return False
+        _log.warning("engine.restarted", restarts=self.restarts, reloaded=reload)
+        return True
 
     def _serving(self, generator: GenerationService) -> None:
         if self._on_serve is None:
@@ -310,6 +382,7 @@ class EngineThread:
             job._push(_END, None)
             return
         items: Iterator[Any] | None = None
+        outer, self._running = self._running, job
         try:
             items = job.work(generator)
             for item in items:
@@ -322,9 +395,13 @@ class EngineThread:
             job._push(_ERROR, exc)
             return
         finally:
+            self._running = outer
             close = getattr(items, "close", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except Exception as exc:  # its output is complete: a failure on the way out is logged
+                    _log.warning("engine.close_failed", error=str(exc))
         job._push(_END, None)
 
     @staticmethod

@@ -41,12 +41,16 @@ def render(
     memory: Mapping[str, int],
     model_bytes: int,
     http_streams: Mapping[str, int] | None = None,
+    engine_restarts: int = 0,
 ) -> str:
     """The exposition text; counters from the telemetry feed's totals (zeros when there is no feed)."""
     totals: Mapping[str, int] = (snapshot or {}).get("totals", {})
     w = _Writer()
     info = {"model": model, "mode": mode}
     w.metric("up", "gauge", "1 when the model is loaded and the engine runs.", [(info, 1.0 if ready else 0.0)])
+    w.metric(
+        "engine_restarts", "counter", "Times the engine thread failed and restarted.", [({}, float(engine_restarts))]
+    )
     reasons = (snapshot or {}).get("finish_reasons") or {}
     w.metric(
         "requests",

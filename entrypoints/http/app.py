@@ -42,15 +42,19 @@ def health(request: Request[Any, Any, Any]) -> Response[Any]:
     """200 once the model is loaded (its name, mode and context window); 503 while loading or when down."""
     ctx = support.context(request)
     engine = ctx.engine
+    restarts: dict[str, Any] = {"restarts": engine.restarts}
+    if engine.last_restart is not None:
+        last = engine.last_restart
+        restarts["last_restart"] = {"at": last.at, "cause": last.cause, "reloaded": last.reloaded}
     if engine.ready:
         generator = engine.generator
         window = ctx.chat.context_window(generator.model)
         body = {"status": "ok", "model": generator.model.name, "mode": generator.mode, "context_window": window}
-        return Response(content=body)
+        return Response(content={**body, **restarts})
     if engine.alive and not engine.wait_ready(0):
-        return Response(content={"status": "loading"}, status_code=503)
+        return Response(content={"status": "loading", **restarts}, status_code=503)
     error = str(engine.load_error) if engine.load_error else "the inference engine is not running"
-    return Response(content={"status": "error", "error": error}, status_code=503)
+    return Response(content={"status": "error", "error": error, **restarts}, status_code=503)
 
 
 @route("/", http_method=["GET", "HEAD"], sync_to_thread=False)
