@@ -621,6 +621,10 @@ class BatchScheduler:
             self._tick()
         self._report(0, 0)  # drained: nothing decodes until the next job
 
+    def jobs(self) -> list[Any]:
+        """The jobs decoding now (a snapshot; safe to read from another thread)."""
+        return [lane.job for lane in list(self._lanes)]
+
     def abort(self, failure: Exception) -> None:
         """The engine failed mid-tick: every lane's job gets `failure` now, and its thread winds down without
         touching the model again (this scheduler and its backend are dropped)."""

@@ -168,11 +168,21 @@ class EngineThread:
             self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish the running job's current item, drop queued jobs, end the thread."""
+        """End the running jobs now (their callers get `EngineDown`; the rows stop at their next step), answer the
+        queued ones the same way, end the thread. Safe from any thread: a shutdown never waits for a generation."""
         self._stopping = True
+        self._end_in_flight()
         self._jobs.put(None)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    def _end_in_flight(self) -> None:
+        down = EngineDown(message="the server is shutting down")
+        batcher, running = self._batcher, self._running
+        jobs = ([running] if running is not None else []) + (batcher.jobs() if batcher is not None else [])
+        for job in jobs:
+            job._push(_ERROR, down)
+            job.cancel()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded (or failed to load)."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from mlx_dspark.entrypoints.cli.common import add_model_args, run_guarded, settings_from, start
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SHUTDOWN_GRACE_S = 2.0  # after SIGTERM/SIGINT, how long open connections may take to close
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,8 +53,25 @@ def main(argv: Sequence[str]) -> int:
         if server.host not in LOOPBACK and not server.api_key:
             sys.stderr.write(f"mlx-dspark: warning: serving on {server.host} without --api-key\n")
         app = create_app(services, settings)
+        engine = app.state["ctx"].engine
+
+        class Server(uvicorn.Server):  # type: ignore[misc]
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                # In-flight generations end now with the dialect's "shutting down" error, so uvicorn's graceful
+                # wait for open requests is short; its own timeout bounds the rest.
+                engine.stop(timeout=0)
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(
+            app,
+            host=server.host,
+            port=server.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
         sys.stderr.write(f"mlx-dspark: serving on http://{server.host}:{server.port} (model loads in the background)\n")
-        uvicorn.run(app, host=server.host, port=server.port, log_level="warning", access_log=False)
+        Server(config).run()
         return 0
 
     return run_guarded(body)
