@@ -35,6 +35,7 @@ from mlx_dspark.domain.chat import (
     ToolSpec,
     TurnFinished,
 )
+from mlx_dspark.domain.chat.admission import prompt_token_floor
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import FinishReason
@@ -287,7 +288,22 @@ class ChatService:
             ids=ids, tools=callable_tools, starts_in_thinking=in_thinking, forced=forced, codec=codec
         )
 
+    def admit(self, model: LoadedModel, request: ChatRequest) -> None:
+        """Refuse, before anything is rendered or tokenized, a conversation whose size alone proves that it
+        cannot fit the context window (`domain/chat/admission.py`); milliseconds even for a huge body.
+
+        Raises:
+            PromptTooLong: the prompt's proven floor reaches the window.
+        """
+        window = self.context_window(model)
+        floor = prompt_token_floor(request.conversation, int(getattr(model.tokenizer, "max_token_bytes", 0)))
+        if floor >= window:
+            raise PromptTooLong(
+                message=f"prompt is too long: {floor} tokens > {window - 1} maximum", limit=window, requested=floor
+            )
+
     def _prepare(self, model: LoadedModel, request: ChatRequest) -> _Turn:
+        self.admit(model, request)
         rendered = self._render(model, request)
         ids = rendered.ids
         window = self.context_window(model)

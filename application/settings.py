@@ -46,6 +46,12 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
         raise InvalidRequest(message=f"{attribute.name} must be > 0, got {value}", param=attribute.name)
 
 
+# The largest body an agent honestly sends: a full 128k-token conversation is ~0.5 MB of text, ~1-2 MB as JSON with
+# escaped tool results (Claude Code's first request is 50-85 KB). Four times that; larger bodies are refused (413)
+# before they are read, so no request can hold the event loop or the engine with parsing.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The server's address, auth and limits.
@@ -67,7 +73,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     keepalive_s: float = attrs.field(default=5.0, validator=_positive)
-    max_body_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_positive)
+    max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     max_queue: int = attrs.field(default=16, validator=_positive)
     max_batch: int = attrs.field(default=8, validator=_positive)  # 1 = one request at a time
 

@@ -290,7 +290,9 @@ class HfModelLoader:
 
     def _open(self, name: str) -> tuple[Checkpoint, HfTokenizer]:
         ckpt = self.load_checkpoint(name)
-        return ckpt, HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
+        tokenizer = HfTokenizer(ckpt.tokenizer, collect_eos_ids(ckpt.tokenizer, ckpt.path))
+        _ = tokenizer.max_token_bytes  # measured now, on the loading thread: admission reads it from any thread
+        return ckpt, tokenizer
 
     def load_training_target(self, name: str) -> TrainingTarget:
         """The model `name` opened for drafter distillation: the mlx-lm module and what its tokenizer knows.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -89,6 +90,18 @@ class HfTokenizer:
         """The bos, pad, unk and eos ids the tokenizer declares (training never targets them)."""
         reserved = {getattr(self._hf, f"{k}_token_id", None) for k in ("bos", "pad", "unk", "eos")}
         return tuple(sorted(int(i) for i in reserved if isinstance(i, int)))
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text (the loader reads it once, on the thread that owns the
+        tokenizer; a partial byte decodes to U+FFFD's three bytes, which only loosens the bound)."""
+        ids = [[i] for i in range(self._vocab_size)]
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is not None:
+            texts = backend.decode_batch(ids, skip_special_tokens=False)
+        else:
+            texts = self._hf.batch_decode(ids, skip_special_tokens=False)
+        return max((len(t.encode("utf-8")) for t in texts), default=0)
 
     @property
     def chat_template(self) -> str | None:

@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
         help="accept this Host name too, e.g. behind a proxy (repeatable; IP addresses and localhost always pass)",
     )
     p.add_argument("--keepalive", dest="keepalive_s", type=float, help="seconds between stream keep-alives (default 5)")
-    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
+    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 8 MiB)")
     p.add_argument("--max-queue", type=int, help="requests that may wait for the engine (default 16; then 429/529)")
     p.add_argument(
         "--max-batch", type=int, help="requests decoded together in one batched forward (default 8; 1 = one at a time)"

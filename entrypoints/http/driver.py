@@ -21,10 +21,11 @@ from mlx_dspark.application.chat_service import ChatItem, Prepared, Report
 from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.chat import ChatEvent, ChatRequest
 from mlx_dspark.entrypoints.http.request_log import RequestLog
-from mlx_dspark.entrypoints.http.support import HttpContext, context, read_json
+from mlx_dspark.entrypoints.http.support import HttpContext, context, read_json, read_json_sized
 
 log = structlog.get_logger("mlx_dspark.http")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+OFF_LOOP_BYTES = 1 << 20  # bodies from this size are parsed and converted in a worker thread
 
 
 @attrs.frozen
@@ -94,10 +95,19 @@ async def drive(request: Request[Any, Any, Any], dialect: Dialect, begin: Begin)
     """Answer one generation request of `dialect`; errors propagate to the dialect's exception handler."""
     ctx = context(request)
     record = RequestLog.of(request, dialect.name)
-    exchange = begin(ctx, await read_json(request))
-    record.model, record.stream = exchange.model, exchange.streaming
-    ctx.check_model(exchange.model)
-    creq = exchange.chat_request(record.request_id)
+    body, size = await read_json_sized(request)
+
+    def parse() -> tuple[Exchange, ChatRequest]:
+        exchange = begin(ctx, body)
+        record.model, record.stream = exchange.model, exchange.streaming
+        ctx.check_model(exchange.model)
+        return exchange, exchange.chat_request(record.request_id)
+
+    # A large body's conversion (hundreds of thousands of messages) runs off the event loop, so the other
+    # requests' streams go on meanwhile.
+    exchange, creq = parse() if size < OFF_LOOP_BYTES else await anyio.to_thread.run_sync(parse)
+    if ctx.engine.ready:  # what the body's size alone proves does not fit is refused before the engine sees it
+        ctx.chat.admit(ctx.engine.generator.model, creq)
     job = ctx.engine.submit(_chat_work(ctx, creq))
     prepared = await first(job, record, early=(ctx, creq) if exchange.streaming else None)
     if exchange.streaming:

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import attrs
 import structlog
 from litestar import Request, Response
@@ -68,17 +69,34 @@ def context(request: Request[Any, Any, Any]) -> HttpContext:
     return ctx
 
 
+_OFF_LOOP_PARSE_BYTES = 1 << 20  # bodies from this size are parsed in a worker thread, off the event loop
+
+
 async def read_json(request: Request[Any, Any, Any]) -> Any:
     """The body as JSON, refusing anything over the size limit before it is all read."""
+    value, _ = await read_json_sized(request)
+    return value
+
+
+async def read_json_sized(request: Request[Any, Any, Any]) -> tuple[Any, int]:
+    """The body as JSON and its size in bytes. A declared Content-Length over the limit is refused before any
+    byte is read, a longer body as soon as it passes the limit; a large body is parsed in a worker thread."""
     limit = context(request).settings.server.max_body_bytes
+    too_large = BodyTooLarge(message=f"the request body is larger than the server's limit of {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge(message=f"the request body is larger than the server's limit of {limit} bytes")
+            raise too_large
         chunks.append(chunk)
-    return parse_json_body(b"".join(chunks))
+    raw = b"".join(chunks)
+    if size < _OFF_LOOP_PARSE_BYTES:
+        return parse_json_body(raw), size
+    return await anyio.to_thread.run_sync(parse_json_body, raw), size
 
 
 def api_key_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:

@@ -106,6 +106,10 @@ class FakeTokenizer:
         return len(self._pieces)
 
     @property
+    def max_token_bytes(self) -> int:
+        return max(len(p.encode("utf-8")) for p in self._pieces)
+
+    @property
     def chat_template(self) -> str | None:
         return self._template_source
 

@@ -12,7 +12,7 @@ from mlx_dspark.entrypoints.cli.common import settings_from
 
 def test_defaults() -> None:
     server = load_settings({}, {}).server
-    assert (server.keepalive_s, server.max_body_bytes, server.max_queue) == (5.0, 64 * 1024 * 1024, 16)
+    assert (server.keepalive_s, server.max_body_bytes, server.max_queue) == (5.0, 8 * 1024 * 1024, 16)
     assert server.allowed_hosts == () and server.cors_origins == ()
 
 
