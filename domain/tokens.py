@@ -10,6 +10,7 @@ import attrs
 from mlx_dspark.domain.errors import InvalidRequest
 
 GREEDY_EPSILON = 1e-5
+MAX_TOP_K = 1_000_000  # above every vocabulary in use; a larger k means the same as off
 
 
 class FinishReason(enum.StrEnum):
@@ -38,8 +39,8 @@ def _check_top_p(_: object, __: attrs.Attribute[float], value: float) -> None:
 
 
 def _check_top_k(_: object, __: attrs.Attribute[int], value: int) -> None:
-    if value < 0:
-        raise InvalidRequest(message=f"top_k must be >= 0 (0 = off), got {value}", param="top_k")
+    if not 0 <= value <= MAX_TOP_K:
+        raise InvalidRequest(message=f"top_k must be between 0 (off) and {MAX_TOP_K}, got {value}", param="top_k")
 
 
 @attrs.frozen(kw_only=True)

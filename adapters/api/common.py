@@ -12,7 +12,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import attrs
 import cattrs
+from cattrs.cols import list_structure_factory, mapping_structure_factory
+from cattrs.gen import make_dict_structure_fn
 from cattrs.v import format_exception
 
 from mlx_dspark.domain.chat import ToolChoice, ToolChoiceMode
@@ -64,14 +67,33 @@ def _json_type(v: Any) -> str:
     )
 
 
+def _only(kind: type, what: str, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`hook` for values of JSON type `kind` only: cattrs alone would iterate a string as a list of its
+    characters, or read a string or an array as an object whose optional fields are all absent."""
+
+    def check(v: Any, t: Any) -> Any:
+        if not isinstance(v, kind):
+            raise WireValueError(f"expected {what}, got {_json_type(v)}")
+        return hook(v, t)
+
+    return check
+
+
 def strict_converter() -> cattrs.Converter:
-    """A converter that ignores unknown keys but never coerces types ("3" is not an int)."""
+    """A converter that ignores unknown keys but never coerces types ("3" is not an int, "gx" is not a list)."""
     conv = cattrs.Converter(forbid_extra_keys=False)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(int, _strict_int)
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(Any, lambda v, _: v)
+    conv.register_structure_hook_factory(
+        lambda t: typing.get_origin(t) is list, lambda t: _only(list, "an array", list_structure_factory(t, conv))
+    )
+    conv.register_structure_hook_factory(
+        lambda t: typing.get_origin(t) is dict, lambda t: _only(dict, "an object", mapping_structure_factory(t, conv))
+    )
+    conv.register_structure_hook_factory(attrs.has, lambda t: _only(dict, "an object", make_dict_structure_fn(t, conv)))
     return conv
 
 
@@ -131,6 +153,16 @@ def structure(conv: cattrs.Converter, data: Any, cls: type[T]) -> T:
         raise InvalidRequest(message="invalid request: " + "; ".join(problems), param=param) from exc
     except (WireValueError, TypeError, ValueError) as exc:
         raise InvalidRequest(message=f"invalid request: {exc}") from exc
+
+
+def check_range(value: float | None, name: str, low: float, high: float) -> None:
+    """Refuse a sampling value outside the dialect's documented range (None: not sent).
+
+    Raises:
+        InvalidRequest: below `low`, above `high`, or not a number (NaN), with `param` = `name`.
+    """
+    if value is not None and not low <= value <= high:
+        raise InvalidRequest(message=f"{name} must be between {low:g} and {high:g}, got {value:g}", param=name)
 
 
 MAX_JSON_DEPTH = 64  # far above any real request; keeps recursive code downstream (templates, schemas) safe

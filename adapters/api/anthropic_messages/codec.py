@@ -109,6 +109,8 @@ def to_chat_request(
     )
     thinking = req.thinking is not None and req.thinking.type in ("enabled", "adaptive")
     if isinstance(req, wire.MessagesRequest):
+        common.check_range(req.temperature, "temperature", 0, 1)  # Anthropic's ranges
+        common.check_range(req.top_p, "top_p", 0, 1)
         sampling = SamplingParams(
             temperature=req.temperature if req.temperature is not None else 0.0,
             top_p=req.top_p if req.top_p is not None else 1.0,

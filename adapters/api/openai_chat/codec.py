@@ -124,7 +124,10 @@ def to_chat_request(req: wire.ChatCompletionRequest, request_id: str = "") -> Ch
 
 
 def _refuse_unsupported_sampling(req: wire.ChatCompletionRequest) -> None:
-    """Penalties, logit bias and logprobs are not implemented: say so instead of ignoring them."""
+    """Penalties, logit bias and logprobs are not implemented: say so instead of ignoring them. Sampling values
+    outside OpenAI's ranges are refused as OpenAI refuses them."""
+    common.check_range(req.temperature, "temperature", 0, 2)
+    common.check_range(req.top_p, "top_p", 0, 1)
     if req.logprobs or req.top_logprobs:
         raise InvalidRequest(message="logprobs are not supported by this server", param="logprobs")
     for name in ("frequency_penalty", "presence_penalty"):

@@ -99,6 +99,8 @@ def to_chat_request(
         InvalidRequest: unknown roles, media content, malformed tools or arguments.
     """
     _refuse_logprobs(req)
+    common.check_range(req.temperature, "temperature", 0, 2)  # OpenAI's ranges
+    common.check_range(req.top_p, "top_p", 0, 1)
     tools, tool_map = _tools(req.tools or [])
     messages = list(history) + _messages(req.input)
     effort = req.reasoning.effort if req.reasoning else None
