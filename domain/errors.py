@@ -1,8 +1,36 @@
-"""The one error hierarchy the core raises; adapters translate foreign errors into these."""
+"""The one error hierarchy the core raises; adapters translate foreign errors into these.
+
+`quoted` and `clipped` are how a message or a log line shows a value a caller sent: bounded and escaped,
+so a megabyte field or a control character never reaches a client's error or a log whole.
+"""
 
 from __future__ import annotations
 
+import re
+
 import attrs
+
+QUOTED_CHARS = 200
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def clipped(text: str, limit: int = QUOTED_CHARS) -> str:
+    """`text` with control characters escaped, cut after `limit` characters with its full length said."""
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text):,} characters)"
+    return _CONTROL.sub(_escape, text)
+
+
+def quoted(value: object, limit: int = QUOTED_CHARS) -> str:
+    """A caller's value as a message quotes it: its repr (escaped), at most about `limit` characters of it."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}… ({len(value):,} characters)"
+    return clipped(repr(value), limit)
 
 
 @attrs.define(auto_exc=True, kw_only=True)

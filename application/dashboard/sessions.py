@@ -7,22 +7,26 @@ transaction), so a crash mid-answer loses only the unfinished reply.
 from __future__ import annotations
 
 import json
+import math
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
 from mlx_dspark.application.chat_service import ChatItem, ChatService
-from mlx_dspark.application.dashboard.modes import ModeSet
+from mlx_dspark.application.dashboard.modes import SELECTABLE, ModeSet
 from mlx_dspark.application.dashboard.ports import SessionInfo, SessionStore, StoredMessage, TelemetryFeed
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.domain.chat import ChatRequest, Conversation, Message, Role
 from mlx_dspark.domain.dashboard import SessionNotFound
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.domain.tokens import SamplingParams
 
-TITLE_CHARS = 60
+T = TypeVar("T")
+TITLE_CHARS = 60  # a title made from the first message
+MAX_TITLE_CHARS = 200  # a title the user gives
+MAX_TEMPERATURE = 2.0  # as OpenAI: beyond it sampling is noise
 
 
 @attrs.frozen(kw_only=True)
@@ -40,28 +44,32 @@ class TurnOptions:
     thinking: bool | None = None
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> TurnOptions:
-        try:
-            stop = raw.get("stop") or ()
-            if isinstance(stop, str):
-                stop = [s for s in stop.split("\n") if s]
-            seed = raw.get("seed")
-            thinking = raw.get("thinking")
-            opts = cls(
-                system=str(raw.get("system") or ""),
-                mode=str(raw.get("mode") or ""),
-                max_tokens=int(raw.get("max_tokens") or 256),
-                temperature=float(raw.get("temperature") or 0.0),
-                top_p=float(raw.get("top_p") or 1.0),
-                top_k=int(raw.get("top_k") or 0),
-                seed=int(seed) if seed not in (None, "") else None,
-                stop=tuple(str(s) for s in stop),
-                thinking=None if thinking in (None, "", "default") else bool(thinking),
-            )
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(message=f"invalid chat settings: {exc}") from exc
+    def from_json(cls, raw: object) -> TurnOptions:
+        """The options of a chat message (absent fields: the defaults).
+
+        Raises:
+            InvalidRequest: not an object, or a field of the wrong type or out of range (`param` names it).
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise InvalidRequest(message=f"options must be an object; got {quoted(raw)}", param="options")
+        opts = cls(
+            system=_field(raw, "system", _text, ""),
+            mode=_field(raw, "mode", _mode, ""),
+            max_tokens=_field(raw, "max_tokens", _whole, 256),
+            temperature=_field(raw, "temperature", _real, 0.0),
+            top_p=_field(raw, "top_p", _real, 1.0),
+            top_k=_field(raw, "top_k", _whole, 0),
+            seed=_field(raw, "seed", _whole, None),
+            stop=_field(raw, "stop", _stop, ()),
+            thinking=None if raw.get("thinking") in (None, "", "default") else bool(raw.get("thinking")),
+        )
         if opts.max_tokens < 1:
             raise InvalidRequest(message="max_tokens must be >= 1", param="max_tokens")
+        if opts.temperature > MAX_TEMPERATURE:
+            raise InvalidRequest(message=f"temperature must be at most {MAX_TEMPERATURE:g}", param="temperature")
+        opts.sampling()  # top_p and top_k ranges, before anything is saved
         return opts
 
     def sampling(self) -> SamplingParams:
@@ -90,13 +98,31 @@ class SessionService:
         self._feed = feed
 
     def create(self, title: str = "", settings: Mapping[str, Any] | None = None) -> SessionInfo:
-        return self.store.create(title.strip() or "New chat", settings)
+        """A new session (an empty title: "New chat").
+
+        Raises:
+            InvalidRequest: a title over MAX_TITLE_CHARS.
+        """
+        return self.store.create(_given_title(title) or "New chat", settings)
+
+    def rename(self, session_id: str, title: str) -> None:
+        """Give a session the user's title.
+
+        Raises:
+            InvalidRequest: an empty title or one over MAX_TITLE_CHARS.
+            SessionNotFound: no such session.
+        """
+        title = _given_title(title)
+        if not title:
+            raise InvalidRequest(message="the title is empty", param="title")
+        if not self.store.rename(session_id, title):
+            raise SessionNotFound(message=f"no session {quoted(session_id)}", param="session_id")
 
     def require(self, session_id: str) -> SessionInfo:
         """The session, or SessionNotFound."""
         info = self.store.get(session_id)
         if info is None:
-            raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
+            raise SessionNotFound(message=f"no session {quoted(session_id)}", param="session_id")
         return info
 
     def begin_turn(self, session_id: str, text: str, options: TurnOptions) -> ChatRequest:
@@ -147,9 +173,7 @@ class SessionService:
             )
         return out
 
-    def finish_turn(
-        self, session_id: str, text: str, thinking: str, stats: Mapping[str, Any]
-    ) -> StoredMessage | None:
+    def finish_turn(self, session_id: str, text: str, thinking: str, stats: Mapping[str, Any]) -> StoredMessage | None:
         """Save the reply (None when the session was deleted while the reply streamed)."""
         try:
             return self.store.append(session_id, "assistant", text, thinking=thinking, stats=stats)
@@ -178,6 +202,63 @@ class SessionService:
                 shown = {k: m.stats[k] for k in ("mode", "completion_tokens", "tok_s", "mean_accepted") if k in m.stats}
                 lines += ["_" + json.dumps(shown) + "_", ""]
         return "\n".join(lines)
+
+
+def _given_title(title: str) -> str:
+    title = title.strip()
+    if len(title) > MAX_TITLE_CHARS:
+        raise InvalidRequest(
+            message=f"the title is {len(title):,} characters long; at most {MAX_TITLE_CHARS} are kept", param="title"
+        )
+    return title
+
+
+def _field(raw: Mapping[str, Any], key: str, convert: Callable[[Any], T], default: T) -> T:
+    """`raw[key]` through `convert` (absent, null or "": `default`); a value it refuses names the field."""
+    value = raw.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        return convert(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequest(message=f"{key}: {exc}; got {quoted(value)}", param=key) from exc
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError("expected a whole number")
+    if isinstance(value, float) and not value.is_integer():  # also inf and nan
+        raise ValueError("expected a whole number")
+    return int(value)
+
+
+def _real(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError("expected a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError("expected a finite number")
+    return number
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("expected a string")
+    return value
+
+
+def _mode(value: Any) -> str:
+    if value not in ("auto", "served", *SELECTABLE):
+        raise ValueError(f"expected one of auto, {', '.join(SELECTABLE)}")
+    return str(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(s for s in value.split("\n") if s)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise TypeError("expected a string or a list of strings")
+    return tuple(value)
 
 
 def _title(text: str) -> str:

@@ -23,7 +23,7 @@ from mlx_dspark.application.dashboard.sessions import TurnOptions
 from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.chat import ReasoningDelta, TextDelta, ToolCallEnd, TurnFinished
 from mlx_dspark.domain.dashboard import SessionNotFound
-from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable
+from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable, quoted
 from mlx_dspark.entrypoints.http import support
 from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, offered_key, server_key, web_guard
 
@@ -38,6 +38,7 @@ PAGES = {
 KEEPALIVE_S = 10.0
 TELEMETRY_IDLE_S = 8.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BANDWIDTH_MIB = 4096  # the copy benchmark holds two buffers of this size on the device
 
 
 def dashboard(request: Request[Any, Any, Any]) -> Dashboard:
@@ -99,13 +100,25 @@ async def _json(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return body
 
 
-def _whole(body: dict[str, Any], key: str, default: int) -> int:
-    """A positive whole-number field of a JSON body (absent or null: `default`)."""
+def _whole(body: dict[str, Any], key: str, default: int, most: int | None = None) -> int:
+    """A positive whole-number field of a JSON body, at most `most` (absent or null: `default`)."""
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequest(message=f"{key} must be a positive whole number; got {value!r}", param=key)
+        raise InvalidRequest(message=f"{key} must be a positive whole number; got {quoted(value)}", param=key)
+    if most is not None and value > most:
+        raise InvalidRequest(message=f"{key} must be at most {most}; got {value}", param=key)
+    return value
+
+
+def _text(body: dict[str, Any], key: str) -> str:
+    """A string field of a JSON body (absent or null: "")."""
+    value = body.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequest(message=f"{key} must be a string; got {quoted(value)}", param=key)
     return value
 
 
@@ -113,7 +126,7 @@ def _names(body: dict[str, Any], key: str, default: list[str]) -> list[str]:
     """A list-of-strings field of a JSON body (absent, null or empty: `default`)."""
     value = body.get(key) or default
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidRequest(message=f"{key} must be a list of mode names; got {value!r}", param=key)
+        raise InvalidRequest(message=f"{key} must be a list of mode names; got {quoted(value)}", param=key)
     return value
 
 
@@ -155,7 +168,7 @@ def _page(request: Request[Any, Any, Any], page: str) -> Template | Response[Any
 def page_view(request: Request[Any, Any, Any], page: str = "chat") -> Any:
     """Every page of the app (`/ui` is the chat page)."""
     if page not in PAGES and authorized(request):  # without the key every path gets the login page
-        raise NotFoundException(detail=f"there is no page {page!r}")
+        raise NotFoundException(detail=f"there is no page {quoted(page)}")
     return _page(request, page)
 
 
@@ -258,8 +271,7 @@ async def telemetry_stream(request: Request[Any, Any, Any], replay: int = 200) -
     feed = dashboard(request).feed
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=5000)
-    last_id = request.headers.get("last-event-id", "")
-    after = int(last_id) if last_id.isdigit() else None
+    after = _last_event_id(request.headers.get("last-event-id", ""))
 
     def listener(item: dict[str, Any]) -> None:
         def put() -> None:
@@ -290,6 +302,25 @@ async def telemetry_stream(request: Request[Any, Any, Any], replay: int = 200) -
     return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+MAX_EVENT_ID_DIGITS = 18  # the feed's seq counts events one by one: it never gets near 10**18
+
+
+def _last_event_id(value: str) -> int | None:
+    """The seq a reconnecting EventSource saw last (none sent: None).
+
+    Raises:
+        InvalidRequest: anything but an id this server could have sent.
+    """
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= MAX_EVENT_ID_DIGITS):
+        raise InvalidRequest(
+            message=f"Last-Event-ID must be the id of an event this stream sent (a whole number); got {quoted(value)}",
+            param="Last-Event-ID",
+        )
+    return int(value)
+
+
 @get("/ui/api/telemetry/snapshot")
 async def telemetry_snapshot(request: Request[Any, Any, Any]) -> dict[str, Any]:
     feed = dashboard(request).feed
@@ -312,7 +343,10 @@ def list_sessions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
 async def create_session(request: Request[Any, Any, Any]) -> dict[str, Any]:
     body = await _json(request)
     sessions = dashboard(request).sessions
-    info = await asyncio.to_thread(sessions.create, str(body.get("title") or ""), body.get("settings") or {})
+    settings = body.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise InvalidRequest(message=f"settings must be an object; got {quoted(settings)}", param="settings")
+    info = await asyncio.to_thread(sessions.create, _text(body, "title"), settings)
     return _session_json(info)
 
 
@@ -327,19 +361,14 @@ def get_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, A
 @patch("/ui/api/sessions/{session_id:str}")
 async def rename_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
     body = await _json(request)
-    title = str(body.get("title") or "").strip()
-    if not title:
-        raise InvalidRequest(message="the title is empty", param="title")
-    store = dashboard(request).sessions.store
-    if not await asyncio.to_thread(store.rename, session_id, title):
-        raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
+    await asyncio.to_thread(dashboard(request).sessions.rename, session_id, _text(body, "title"))
     return {"ok": True}
 
 
 @delete("/ui/api/sessions/{session_id:str}", status_code=200, sync_to_thread=True)
 def delete_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
     if not dashboard(request).sessions.store.delete(session_id):
-        raise SessionNotFound(message=f"no session {session_id!r}", param="session_id")
+        raise SessionNotFound(message=f"no session {quoted(session_id)}", param="session_id")
     return {"ok": True}
 
 
@@ -362,9 +391,9 @@ async def chat(request: Request[Any, Any, Any], session_id: str) -> Stream:
     """One streamed turn: the user message is committed first, the reply when the stream ends."""
     ctx, d = support.context(request), dashboard(request)
     body = await _json(request)
-    options = TurnOptions.from_json(body.get("options") or {})
+    options = TurnOptions.from_json(body.get("options"))
     sessions = d.sessions
-    creq = await asyncio.to_thread(sessions.begin_turn, session_id, str(body.get("content") or ""), options)
+    creq = await asyncio.to_thread(sessions.begin_turn, session_id, _text(body, "content"), options)
     served = ctx.engine.generator.mode if ctx.engine.ready else None
     mode = sessions.mode_of(ctx.engine.generator, options.mode) if ctx.engine.ready else options.mode
     # Another mode than the served one runs alone (batched rows decode plainly with the served mode).
@@ -430,7 +459,7 @@ async def run_roofline(request: Request[Any, Any, Any]) -> Stream:
     ctx, d = support.context(request), dashboard(request)
     body = await _json(request)
     lanes = _names(body, "modes", ["lookup"])
-    size = _whole(body, "bandwidth_mib", 256) << 20
+    size = _whole(body, "bandwidth_mib", 256, most=MAX_BANDWIDTH_MIB) << 20
     max_tokens = _whole(body, "max_tokens", 48)
     modes, probe = d.modes, d.probe
     job = ctx.engine.submit(
