@@ -44,12 +44,47 @@ import statistics
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # gpu_bench and gpu_distill: their loaders and the transformers stub
+
+
+def _package_from_checkout() -> None:
+    """Import `mlx_dspark.<layer>` from this checkout's folders when no install provides it (a bare device)."""
+    try:
+        import mlx_dspark.domain.ports  # noqa: F401
+    except ImportError:
+        package = types.ModuleType("mlx_dspark")
+        package.__path__ = [str(HERE.parent)]  # mlx_dspark.domain -> <checkout>/domain, as setup.py maps it
+        sys.modules["mlx_dspark"] = package
+
+
+class _Inert:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _stub_cattrs() -> None:
+    """Where cattrs is missing: what application.settings touches at import (the bench never parses settings)."""
+    try:
+        import cattrs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return
+    stub = types.ModuleType("cattrs")
+    stub.Converter = _Inert  # type: ignore[attr-defined]
+    stub.BaseValidationError = type("BaseValidationError", (Exception,), {})  # type: ignore[attr-defined]
+    stub.transform_error = lambda exc: [str(exc)]  # type: ignore[attr-defined]
+    sys.modules["cattrs"] = stub
+
+
+_package_from_checkout()
+_stub_cattrs()
 
 from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import importlib.abc
+import importlib.util
 import json
 import os
 import platform
@@ -29,18 +31,52 @@ from pathlib import Path
 from typing import Any
 
 
+class _Inert(type):
+    """A stub class: any public attribute is a function that does nothing (`AutoTokenizer.register(...)`)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+class _TransformersStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`transformers` and any submodule of it as empty modules whose public names are inert classes."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "transformers" and not name.startswith("transformers."):
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=True)
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+
+        def attribute(name: str) -> type:
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return _Inert(name, (), {})
+
+        module.__getattr__ = attribute  # type: ignore[method-assign]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
 def _import_mlx_lm_generate() -> Any:
-    """mlx-lm's generate_step (timed through mlx_dspark's `reference_generate`); its module imports
-    transformers only for type hints, so stub it if absent."""
+    """mlx-lm's generate_step (timed through mlx_dspark's `reference_generate`); mlx-lm imports transformers
+    (and its submodules) only for type hints and the HF loading we never call, so stub it if absent."""
     try:
         from mlx_lm.generate import generate_step
     except ImportError as exc:
         if "transformers" not in str(exc):
             raise
-        stub = types.ModuleType("transformers")
-        for name in ("PreTrainedTokenizer", "PreTrainedTokenizerFast", "AutoTokenizer", "AutoProcessor"):
-            setattr(stub, name, type(name, (), {}))
-        sys.modules["transformers"] = stub
+        for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+            del sys.modules[name]  # a half-imported attempt
+        for name in [m for m in sys.modules if m == "mlx_lm" or m.startswith("mlx_lm.")]:
+            del sys.modules[name]  # modules that failed midway import again against the stub
+        sys.meta_path.insert(0, _TransformersStub())
         from mlx_lm.generate import generate_step
     return generate_step
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -257,3 +258,47 @@ def test_real_bench_runs_every_mode_through_the_generation_service(
             assert m["profiled"]["breakdown"]["drafter_device_s"] > 0
     assert "race_winner" in extra["modes"]["auto"]
     assert all(f"| {mode} |" in table.read_text() for mode in modes)
+
+
+# The GPU host has MLX, mlx-lm and their own dependencies, attrs and numpy; not these, nor an installed mlx_dspark.
+BARE_HOST = """
+import runpy, sys
+MISSING = {"transformers", "tokenizers", "jinja2", "cattrs", "numba", "gguf", "structlog", "litestar", "mlx_dspark"}
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in MISSING and name not in sys.modules:
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Missing())
+script, *sys.argv[1:] = sys.argv[1:]
+sys.argv[0] = script
+MISSING.discard("mlx_dspark")  # the script maps it onto the checkout's folders itself
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as exit:
+    names = ("transformers", "cattrs", "mlx_dspark")
+    stand_ins = [n for n in names if getattr(sys.modules[n], "__file__", None) is None]
+    print("stand-ins:", ",".join(stand_ins), "tokenizers" in sys.modules)
+    sys.exit(exit.code)
+"""
+
+
+def test_runs_on_a_bare_host_without_tokenizer_libraries_or_an_install(
+    bench: ModuleType, tiny_export: dict[str, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+    import sysconfig
+
+    out = tmp_path / "smoke.json"
+    args = ["all", "--smoke", "--model", str(tiny_export["model"]), "--modes", "baseline,lookup,dspark"]
+    args += ["--dspark", str(tiny_export["dspark"]), "--shapes", "4b", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    # -S: no site processing, so the editable install's finder is not on the path either.
+    command = [sys.executable, "-S", "-c", BARE_HOST, str(SCRIPT), *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stand-ins: transformers,cattrs,mlx_dspark False" in done.stdout
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["baseline", "lookup", "dspark"]
+    assert all("error" not in m for m in doc["device_bench"]["modes"].values())
+    assert all(r["forced"] for s in doc["synthetic"]["shapes"] for r in s["forced"])
