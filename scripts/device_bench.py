@@ -113,7 +113,6 @@ from mlx_dspark.application.bench import (
 )
 from mlx_dspark.application.calibration import CalibrationPlan
 from mlx_dspark.application.data import heldout_prompts, interleaved
-from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
@@ -121,6 +120,11 @@ from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
+
+try:  # the decode loop moves into application.engine (issue 26's rewrite); either tree runs this
+    from mlx_dspark.application.engine import decode
+except ImportError:
+    from mlx_dspark.application.decode_loop import decode
 
 SCHEMA = "mlx-dspark/device-bench/1"
 GREEDY = SamplingParams()
@@ -696,7 +700,7 @@ def run_real(
             entry["first_request"] = _brief(p, r)
             log(f"{mode}: first request {r.tokens_per_second:.1f} tok/s at {r.prompt_tokens} tokens")
             entry["new_to_mode"], entry["seen_once"] = [], []
-            for key in ("new_to_mode", "seen_once"):
+            for key in ("seen_once",) if smoke else ("new_to_mode", "seen_once"):
                 for p in seen_set:
                     if budget.spent():
                         break
@@ -706,7 +710,7 @@ def run_real(
                         runs.append(_run_record(mode, p, r))
             log(f"{mode}: seen once {[round(x['decode_tok_s'], 1) for x in entry['seen_once']]} tok/s")
             p = seen_set[0]
-            if not budget.spent():
+            if not smoke and not budget.spent():
                 r = request(service, p)
                 entry["warm"] = _brief(p, r)
             for name, barrier in (("marked", False), ("profiled", True)):
@@ -809,14 +813,65 @@ class ForcedAcceptanceOracle:
         return DraftBlock(tokens=tuple(drafts), source=self.name)
 
 
+VERIFY_SPLIT = ("verify_build_s", "dispatch_s", "readback_s", "commit_s")
+
+
+def _split(calls: RoundCalls, keep: Sequence[bool]) -> dict[str, float | None]:
+    """Medians of the recorded verify calls' host build / dispatch / readback / commit, rounds where `keep`."""
+    rounds = [r for r, k in zip(calls.rounds(), keep) if k]
+    return {key: _median([r[key] for r in rounds]) for key in VERIFY_SPLIT}
+
+
 def forced_run(target: Any, prompt: Sequence[int], tau: int, cap: int, tokens: int) -> dict[str, Any]:
-    """One request of `tokens` greedy tokens under the oracle at (τ, cap), every round timed."""
+    """One request of `tokens` greedy tokens under the oracle at (τ, cap), every round timed.
+
+    The decode loop's verify and commit are also split into host graph building, dispatch and readback
+    (async_eval marks); the oracle's own passes go to the bare target and are not recorded.
+    """
     oracle = ForcedAcceptanceOracle(target, tau, max_block=max(cap, 1))
+    calls = RoundCalls()
+    timed = TimedTarget(target, calls)
     rows: list[dict[str, Any]] = []
     out: list[int] = []
-    last: float | None = None
     target.reset(0)
-    stop = StopRule(max_tokens=tokens, eos_ids=frozenset())
+    with calls.recording(barrier=False):
+        _forced_rounds(timed, oracle, prompt, cap, StopRule(max_tokens=tokens, eos_ids=frozenset()), rows, out)
+    full = [r for r in rows if r["cap"] == cap]  # budget-end rounds draft less
+    want = min(tau, cap)
+    tokens_per_round = statistics.fmean(r["committed"] for r in full) if full else None
+    round_s = _median([r["round_s"] for r in full])
+    return {
+        "tau": tau,
+        "cap": cap,
+        "ideal_tokens_per_round": want + 1,
+        "forced": all(r["accepted"] == min(tau, r["cap"]) for r in rows) and bool(rows),
+        "rounds": len(rows),
+        "full_rounds": len(full),
+        "tokens_per_round": tokens_per_round,
+        "round_s": round_s,
+        "round_s_mean": statistics.fmean(r["round_s"] for r in full) if full else None,
+        "verify_commit_s": _median([r["verify_s"] for r in full]),
+        **_split(calls, [r["cap"] == cap for r in rows]),
+        "oracle_passes": oracle.passes,
+        "oracle_s": oracle.seconds,
+        "oracle_unstable_passes": oracle.unstable,
+        "generated": len(out),
+        "token_ids": out,
+        "per_round": rows,
+    }
+
+
+def _forced_rounds(
+    target: Any,
+    oracle: ForcedAcceptanceOracle,
+    prompt: Sequence[int],
+    cap: int,
+    stop: StopRule,
+    rows: list[dict[str, Any]],
+    out: list[int],
+) -> None:
+    """The decode loop under the oracle; each round's wall time, acceptance and the loop's own split."""
+    last: float | None = None
     for ev in decode(target, prompt, GREEDY, stop, _Clock(), source=oracle, cap_policy=FixedCap(cap)):
         if isinstance(ev, TokensCommitted):
             out.extend(ev.tokens)
@@ -837,50 +892,37 @@ def forced_run(target: Any, prompt: Sequence[int], tau: int, cap: int, tokens: i
                     "round_s": wall - ev.draft_s,
                 }
             )
-    full = [r for r in rows if r["cap"] == cap]  # budget-end rounds draft less
-    want = min(tau, cap)
-    tokens_per_round = statistics.fmean(r["committed"] for r in full) if full else None
-    round_s = _median([r["round_s"] for r in full])
-    return {
-        "tau": tau,
-        "cap": cap,
-        "ideal_tokens_per_round": want + 1,
-        "forced": all(r["accepted"] == min(tau, r["cap"]) for r in rows) and bool(rows),
-        "rounds": len(rows),
-        "full_rounds": len(full),
-        "tokens_per_round": tokens_per_round,
-        "round_s": round_s,
-        "round_s_mean": statistics.fmean(r["round_s"] for r in full) if full else None,
-        "verify_commit_s": _median([r["verify_s"] for r in full]),
-        "oracle_passes": oracle.passes,
-        "oracle_s": oracle.seconds,
-        "oracle_unstable_passes": oracle.unstable,
-        "generated": len(out),
-        "token_ids": out,
-        "per_round": rows,
-    }
 
 
-def plain_run(target: Any, prompt: Sequence[int], tokens: int) -> dict[str, Any]:
-    """Plain decoding through the decode loop (pipelined steps): the median step and the decode rate."""
+def plain_run(target: Any, prompt: Sequence[int], tokens: int, *, split: bool = False) -> dict[str, Any]:
+    """Plain decoding through the decode loop (pipelined steps): the median step and the decode rate, and
+    with `split` each step's host build (of the queued next step) / dispatch / readback."""
     target.reset(0)
+    calls = RoundCalls()
     steps: list[float] = []
     out: list[int] = []
     last: float | None = None
     usage = None
-    for ev in decode(target, prompt, GREEDY, StopRule(max_tokens=tokens, eos_ids=frozenset()), _Clock()):
-        if isinstance(ev, TokensCommitted):
-            out.extend(ev.tokens)
-            if last is None:
-                last = now()
-        elif isinstance(ev, RoundFinished):
-            t = now()
-            steps.append(t - (last if last is not None else t))
-            last = t
-        elif isinstance(ev, Finished):
-            usage = ev.usage
+    stop = StopRule(max_tokens=tokens, eos_ids=frozenset())
+    with calls.recording(barrier=False) if split else contextlib.nullcontext():
+        for ev in decode(TimedTarget(target, calls), prompt, GREEDY, stop, _Clock()):
+            if isinstance(ev, TokensCommitted):
+                out.extend(ev.tokens)
+                if last is None:
+                    last = now()
+            elif isinstance(ev, RoundFinished):
+                t = now()
+                steps.append(t - (last if last is not None else t))
+                last = t
+            elif isinstance(ev, Finished):
+                usage = ev.usage
     rate = (usage.generated_tokens - 1) / usage.decode_s if usage and usage.decode_s > 0 else None
-    return {"step_s": _median(steps), "tok_s": rate, "token_ids": out}
+    return {
+        "step_s": _median(steps),
+        "tok_s": rate,
+        "token_ids": out,
+        **(_split(calls, [True] * len(steps)) if split else {}),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1071,6 +1113,8 @@ def run_shape(
     plain_run(target, prompt, 8)  # warm-up: this shape's kernels
     plain = plain_run(target, prompt, tokens)
     row["plain_step_s"], row["plain_tok_s"] = plain["step_s"], plain["tok_s"]
+    marked = plain_run(target, prompt, tokens, split=True)  # a second pass: the marks cost a little
+    row["plain_split"] = {k: marked[k] for k in VERIFY_SPLIT}
     log(f"{shape} {dtype_name}: plain step {1e3 * (plain['step_s'] or 0):.2f} ms")
     forced: list[dict[str, Any]] = []
     row["forced"] = forced
@@ -1200,24 +1244,30 @@ def real_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _host(r: dict[str, Any]) -> float | None:
+    parts = [r.get(k) for k in ("verify_build_s", "dispatch_s", "commit_s")]
+    return None if any(x is None for x in parts) else sum(parts)  # type: ignore[arg-type]
+
+
 def synthetic_table(section: dict[str, Any]) -> str:
     lines = [
         f"Random-weight targets, oracle-forced acceptance, {section['settings']['tokens']} tokens; round = "
         f"{section['round_time']}.",
         "",
-        "| shape | dtype | plain step ms | tau | cap | tokens/round | round ms | round/step | speedup | ideal "
-        "| efficiency | forced |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| shape | dtype | plain step ms | tau | cap | tokens/round | round ms | host ms | readback ms | round/step "
+        "| speedup | ideal | efficiency | forced |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     goals = []
     for s in section["shapes"]:
         if "error" in s or "skipped" in s:
-            lines.append(f"| {s['shape']} | {s['dtype']} | {s.get('error') or s.get('skipped')} |" + " |" * 9)
+            lines.append(f"| {s['shape']} | {s['dtype']} | {s.get('error') or s.get('skipped')} |" + " |" * 11)
             continue
         for r in s.get("forced", []):
             lines.append(
                 f"| {s['shape']} | {s['dtype']} | {_ms(s.get('plain_step_s'))} | {r['tau']} | {r['cap']} "
-                f"| {_f(r['tokens_per_round'])} | {_ms(r['round_s'])} | {_f(r['round_per_step'])} "
+                f"| {_f(r['tokens_per_round'])} | {_ms(r['round_s'])} | {_ms(_host(r))} | {_ms(r.get('readback_s'))} "
+                f"| {_f(r['round_per_step'])} "
                 f"| {_f(r['speedup'])} | {r['ideal_tokens_per_round']} | {_f(r['efficiency'])} | {r['forced']} |"
             )
         g = s.get("goal_tau4") or {}
@@ -1302,7 +1352,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = now)
                 args.model,
                 dtype=args.model_dtype,
                 modes=[m.strip() for m in args.modes.split(",") if m.strip()],
-                max_tokens=8 if args.smoke else args.max_tokens,
+                max_tokens=6 if args.smoke else args.max_tokens,
                 seen_prompts=1 if args.smoke else args.prompts,
                 max_draft=max_draft,
                 drafter_bits=args.drafter_bits,

@@ -18,7 +18,6 @@ import pytest
 
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.bench import BENCH_SCHEMA, synthetic_prompt
-from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.generation import MonotonicClock
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
@@ -29,6 +28,11 @@ from mlx_dspark.domain.verification.greedy import longest_accepted_prefix
 from mlx_dspark.domain.verification.outcome import Acceptance
 from tests.fakes.oracle import OracleTarget, oracle_logits
 from tests.fakes.tiny_models import tiny_model
+
+try:  # the decode loop moves into application.engine (issue 26's rewrite)
+    from mlx_dspark.application.engine import decode
+except ImportError:
+    from mlx_dspark.application.decode_loop import decode
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "device_bench.py"
 
