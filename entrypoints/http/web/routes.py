@@ -56,14 +56,21 @@ def job_stream(
     *,
     on_end: Callable[[str], Any] | None = None,
 ) -> Stream:
-    """SSE frames of an engine job; a client disconnect cancels the job; errors become one error frame."""
+    """SSE frames of an engine job; a client disconnect cancels the job; errors become one error frame.
+
+    A disconnect reaches the stream only as the cancellation of its task (Litestar cancels it; uvicorn drops
+    later sends silently). While the engine has queued items ahead of the stream, taking one never suspends,
+    so the cancellation had nowhere to land (and Python 3.11's `asyncio.wait_for` even returns an item that
+    arrives with it): a hung-up stream ran to the end of its job. So each item passes a checkpoint.
+    """
 
     async def frames() -> AsyncIterator[bytes]:
         outcome = "completed"
         try:
             while True:
                 try:
-                    item = await job.next(timeout=KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        item = await job.next()
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue
@@ -76,6 +83,7 @@ def job_stream(
                     break
                 for obj in to_json(item):
                     yield _sse(obj)
+                await asyncio.sleep(0)  # the checkpoint: a pending cancellation is raised here
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
