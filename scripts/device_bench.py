@@ -25,10 +25,12 @@ and on the CPU side, before the slot (writes the export, ~100 MB: stage it with 
     .venv/bin/python scripts/device_bench.py export --out build/default-export
 
 `real --model DIR ...` and `synthetic --shapes 0.6b,4b,8b,32b,hybrid --dtype bf16 --taus 1,2,4,7 ...` run one
-half; each half has `--budget-seconds` (it stops between requests and still writes what it measured; the JSON
-is rewritten after every mode and shape, so even a killed run leaves a document). Needs only mlx, mlx_lm and
-mlx_dspark (transformers is stubbed where missing; tokenizers and jinja2 are used when present, else the
-export's pre-encoded prompts).
+half each, with `--budget-seconds` (`all`: `--real-budget-seconds`, default 210, `--synthetic-budget-seconds`,
+default 170): a half stops between requests and still writes what it measured, and the JSON is rewritten after
+every mode and shape, so even a killed run leaves a document. Needs only mlx and mlx_lm with their own
+dependencies, attrs and numpy: transformers and cattrs are stood in for where missing, mlx_dspark is mapped
+onto this checkout when not installed, tokenizers and jinja2 are used when present (else the export's
+pre-encoded prompts).
 """
 
 from __future__ import annotations
@@ -668,7 +670,7 @@ def run_real(
         try:
             t0 = now()
             if mode == "auto":
-                candidates = {PLAIN: None, **{k: v for k, v in sources.items()}}
+                candidates = {PLAIN: None, **sources}
                 plan = CalibrationPlan(depth=16, deep_depth=48, warmup=0, repeats=1, overhead_tokens=2, dense_widths=4)
                 choice = measure_and_choose(
                     _MemoryCalibrations(),
