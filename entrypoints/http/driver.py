@@ -25,6 +25,7 @@ from mlx_dspark.entrypoints.http.support import HttpContext, context, read_json,
 
 log = structlog.get_logger("mlx_dspark.http")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 OFF_LOOP_BYTES = 1 << 20  # bodies from this size are parsed and converted in a worker thread
 
 
@@ -113,6 +114,9 @@ async def drive(request: Request[Any, Any, Any], dialect: Dialect, begin: Begin)
     if exchange.streaming:
         return sse_response(ctx, dialect, job, exchange, exchange.stream(prepared), record)
     events = await collect(request, job, record)
+    if events is None:  # the client hung up: nobody reads an answer, and a cut turn has no whole body
+        record.emit(CLIENT_GONE, outcome="cancelled")
+        return Response(content=b"", status_code=CLIENT_GONE)
     for event in events:
         exchange.observe(event)
     body = exchange.body(events, prepared)
@@ -221,15 +225,19 @@ def sse_response(
     return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def collect(request: Request[Any, Any, Any], job: EngineJob[ChatItem], record: RequestLog) -> list[ChatEvent]:
-    """All events of a non-streaming job; the job is cancelled if the client goes away meanwhile."""
+async def collect(
+    request: Request[Any, Any, Any], job: EngineJob[ChatItem], record: RequestLog
+) -> list[ChatEvent] | None:
+    """All events of a non-streaming job; None when the client went away meanwhile (the job is cancelled)."""
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                gone = True
                 job.cancel()
-                record.fields["outcome"] = "cancelled"
                 return
 
     watcher = asyncio.create_task(watch())
@@ -242,4 +250,4 @@ async def collect(request: Request[Any, Any, Any], job: EngineJob[ChatItem], rec
     finally:
         watcher.cancel()
         job.cancel()
-    return events
+    return None if gone else events

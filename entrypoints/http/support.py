@@ -20,7 +20,7 @@ from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.chat import ChatEvent, Message
-from mlx_dspark.domain.errors import InvalidRequest, ModelUnavailable, Overloaded
+from mlx_dspark.domain.errors import CapacityExceeded, InvalidRequest, ModelUnavailable, Overloaded
 
 log = structlog.get_logger("mlx_dspark.http")
 
@@ -140,12 +140,15 @@ def error_handler(
             status, body = exc.status_code, envelope(exc.status_code, str(exc.detail))
         else:
             status, body = from_exception(exc)
-        if status >= 500:
+        if isinstance(exc, CapacityExceeded):
+            # Expected under load (429/529/503): a warning beside the canonical line, no traceback.
+            log.warning("http.overloaded", dialect=dialect, path=request.scope["path"], error=exc.message)
+        elif status >= 500:
             # The traceback carries no local variables (log_config), so no key and no body reach the log.
             log.error("http.error", dialect=dialect, path=request.scope["path"], error=repr(exc)[:300], exc_info=exc)
         record = RequestLog.of(request, dialect)
         record.failed(exc, status)
-        record.emit(status)
+        record.emit(status, outcome="rejected" if isinstance(exc, Overloaded) else None)
         headers = {"Retry-After": "1"} if isinstance(exc, Overloaded) else None
         return Response(content=body, status_code=status, headers=headers)
 
