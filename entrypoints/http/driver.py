@@ -220,6 +220,7 @@ def sse_response(
             raise
         finally:
             job.cancel()
+            ctx.stream_outcomes[outcome] += 1
             record.emit(200, outcome=outcome)
 
     return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +39,7 @@ class HttpContext:
     settings: Settings
     responses: OrderedDict[str, tuple[Message, ...]] = attrs.Factory(OrderedDict)  # previous_response_id store
     responses_limit: int = 64
+    stream_outcomes: Counter[str] = attrs.Factory(Counter)  # streamed answers by outcome, for /metrics
 
     def listed_names(self) -> list[str]:
         """What /v1/models lists: the loaded model's name (the configured one while loading)."""

@@ -259,7 +259,7 @@ async def prometheus(request: Request[Any, Any, Any]) -> Response[str]:
         queue_depth=engine.queue_depth,
         memory=d.probe.memory_in_use(),
         model_bytes=_model_bytes(request),
-        http_streams=dict(getattr(ctx, "stream_outcomes", {})),
+        http_streams=dict(ctx.stream_outcomes),
         engine_restarts=engine.restarts,
     )
     return Response(content=body, media_type=metrics.CONTENT_TYPE)

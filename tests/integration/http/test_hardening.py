@@ -373,3 +373,23 @@ def test_a_malformed_host_header_is_never_a_500(live: LiveServer, host: str) -> 
     for path in ("/v1/chat/completions", "/v1/nope"):
         r = _send(live, path, BODIES["/v1/chat/completions"], host=host)
         assert r.status_code < 500, (host, r.text)
+
+
+# ---- /metrics counts streamed answers -------------------------------------------------------------------
+
+
+def _streams(live: LiveServer, outcome: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live.base_url + "/metrics", headers={"authorization": f"Bearer {live.api_key}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["mlx_dspark_http_streams"].samples if s.labels.get("outcome") == outcome)
+
+
+def test_streamed_answers_are_counted_by_outcome_in_metrics(live: LiveServer) -> None:
+    before = _streams(live, "completed")
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        r = _send(live, path, {**BODIES[path], "stream": True})
+        assert r.status_code == 200 and r.text
+        assert _send(live, path, BODIES[path]).status_code == 200  # a whole answer is not a stream
+    assert _streams(live, "completed") == before + 3
