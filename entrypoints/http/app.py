@@ -15,7 +15,7 @@ from litestar import Litestar, Request, Response, get, route
 from litestar.config.cors import CORSConfig
 from litestar.contrib.jinja import JinjaTemplateEngine
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, NotAuthorizedException
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
@@ -34,7 +34,7 @@ from mlx_dspark.entrypoints.http import (
     web,
 )
 from mlx_dspark.entrypoints.http.web import routes as web_routes
-from mlx_dspark.entrypoints.http.web.auth import web_guard
+from mlx_dspark.entrypoints.http.web.auth import authorized, web_guard
 
 
 @get("/health", sync_to_thread=False)
@@ -59,11 +59,15 @@ def health(request: Request[Any, Any, Any]) -> Response[Any]:
 
 @route("/", http_method=["GET", "HEAD"], sync_to_thread=False)
 def root(request: Request[Any, Any, Any]) -> Any:
-    """The dashboard for a browser; a small JSON status for clients that probe the base URL."""
+    """The dashboard for a browser (its login page without the key); a small JSON status, behind the key, for
+    clients that probe the base URL. HEAD stays open: Claude Code's connectivity preflight sends no key, and
+    an empty 200 tells no more than /health."""
     if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
         from mlx_dspark.entrypoints.http.web.routes import home
 
         return home(request)
+    if request.method == "GET" and not authorized(request):
+        raise NotAuthorizedException(detail="invalid or missing API key")
     return Response(content={"status": "ok", "service": "mlx-dspark"})
 
 

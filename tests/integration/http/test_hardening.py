@@ -375,6 +375,29 @@ def test_a_malformed_host_header_is_never_a_500(live: LiveServer, host: str) -> 
         assert r.status_code < 500, (host, r.text)
 
 
+# ---- the root needs the key -------------------------------------------------------------------------------
+
+
+def test_the_root_needs_the_key_but_for_a_browser_login_and_a_bare_head(live: LiveServer) -> None:
+    base, key = live.base_url + "/", live.api_key or ""
+    for headers in ({}, {"accept": "*/*"}, {"accept": "application/json"}, {"x-api-key": "wrong"}):
+        r = httpx.get(base, headers=headers)
+        assert r.status_code == 401, headers
+        assert _error("/", r)["type"] == "authentication_error"
+    for headers in ({"authorization": f"Bearer {key}"}, {"x-api-key": key}):
+        r = httpx.get(base, headers=headers)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    page = httpx.get(base, headers={"accept": "text/html"})  # a browser gets the dashboard's login page
+    assert page.status_code == 401 and "API key required" in page.text
+    from mlx_dspark.entrypoints.http.web.auth import COOKIE
+
+    page = httpx.get(base, headers={"accept": "text/html"}, cookies={COOKIE: key})
+    assert page.status_code == 200 and 'data-page="chat"' in page.text
+    # Claude Code's connectivity preflight: a HEAD with no key, which must not read as "endpoint down"
+    head = httpx.head(base)
+    assert head.status_code == 200 and head.content == b""
+
+
 # ---- /metrics counts streamed answers -------------------------------------------------------------------
 
 
