@@ -2,18 +2,38 @@
 
 Tracebacks never show local variables: structlog's defaults (rich console tracebacks, dict tracebacks in
 JSON) would print every frame's locals, and a request handler's locals hold the settings (API key) and
-the raw request body.
+the raw request body. Every string value is bounded and escaped (`bound_values`).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
 from mlx_dspark.application.settings import TelemetrySettings
+from mlx_dspark.domain.errors import clipped
+
+LOG_VALUE_CHARS = 1000  # far above any field of ours; a caller's megabyte string stops here
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str):
+        return clipped(value, LOG_VALUE_CHARS)
+    if isinstance(value, dict):
+        return {k: _bounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_bounded(v) for v in value]
+    return value
+
+
+def bound_values(_: Any, __: str, event_dict: structlog.typing.EventDict) -> structlog.typing.EventDict:
+    """Every string of a line cut to LOG_VALUE_CHARS with control characters escaped: a value a caller sent
+    (a model name, a header) can neither flood the log nor forge a line of its own on a console."""
+    return {k: v if k == "exc_info" else _bounded(v) for k, v in event_dict.items()}
 
 
 def _console_exceptions() -> structlog.typing.ExceptionRenderer:
@@ -37,6 +57,7 @@ def configure_logging(settings: TelemetrySettings) -> None:
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        bound_values,
     ]
     renderer: structlog.types.Processor
     if json_logs:

@@ -26,6 +26,7 @@ from mlx_dspark.domain.errors import (
     InvalidRequest,
     ModelUnavailable,
     Overloaded,
+    quoted,
 )
 
 T = TypeVar("T")
@@ -107,7 +108,7 @@ def register_tagged(conv: cattrs.Converter, union: Any, tags: Mapping[str, type]
         cls = tags.get(tag) if isinstance(tag, str) else None
         if cls is None:
             known = ", ".join(sorted(tags))
-            raise WireValueError(f"unknown {what} type {tag!r} (supported: {known})")
+            raise WireValueError(f"unknown {what} type {quoted(tag)} (supported: {known})")
         return conv.structure(v, cls)
 
     conv.register_structure_hook(union, hook)
@@ -136,6 +137,9 @@ def _format(exc: BaseException, type_: Any) -> str:
     return format_exception(exc, type_)
 
 
+MAX_PROBLEMS = 10  # a body with a thousand broken items gets the first few, not a megabyte of errors
+
+
 def structure(conv: cattrs.Converter, data: Any, cls: type[T]) -> T:
     """`data` as `cls`.
 
@@ -150,7 +154,10 @@ def structure(conv: cattrs.Converter, data: Any, cls: type[T]) -> T:
         problems = cattrs.transform_error(exc, path="$", format_exception=_format)
         first = problems[0] if problems else str(exc)
         param = first.rsplit(" @ $.", 1)[1] if " @ $." in first else None
-        raise InvalidRequest(message="invalid request: " + "; ".join(problems), param=param) from exc
+        shown = problems[:MAX_PROBLEMS] + (
+            [f"and {len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else []
+        )
+        raise InvalidRequest(message="invalid request: " + "; ".join(shown), param=param) from exc
     except (WireValueError, TypeError, ValueError) as exc:
         raise InvalidRequest(message=f"invalid request: {exc}") from exc
 
@@ -334,7 +341,7 @@ def allowed_tool_choice(mode: Any, tools: Any, name_of: Callable[[Any], Any]) ->
     """
     if mode not in ("auto", "required"):
         raise InvalidRequest(
-            message=f"allowed_tools mode must be 'auto' or 'required', got {mode!r}", param="tool_choice"
+            message=f"allowed_tools mode must be 'auto' or 'required', got {quoted(mode)}", param="tool_choice"
         )
     if not isinstance(tools, list):
         raise InvalidRequest(message="allowed_tools needs a list of tools", param="tool_choice")
@@ -360,4 +367,4 @@ def openai_tool_choice(choice: Any, dict_form: Callable[[dict[str, Any], Any], T
         found = dict_form(choice, choice.get("type"))
         if found is not None:
             return found
-    raise InvalidRequest(message=f"unsupported tool_choice {choice!r}", param="tool_choice")
+    raise InvalidRequest(message=f"unsupported tool_choice {quoted(choice)}", param="tool_choice")

@@ -11,7 +11,7 @@ import attrs
 from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import MODES, Settings
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 
 SELECTABLE = tuple(m for m in MODES if m != "auto")
 
@@ -40,7 +40,9 @@ class ModeSet:
         if not mode or mode in ("auto", "served") or mode == served.mode:
             return served
         if mode not in SELECTABLE:
-            raise InvalidRequest(message=f"mode must be one of {', '.join(SELECTABLE)}; got {mode!r}", param="mode")
+            raise InvalidRequest(
+                message=f"mode must be one of {', '.join(SELECTABLE)}; got {quoted(mode)}", param="mode"
+            )
         if self._identity != served.model.identity:
             self._identity, self._by_mode = served.model.identity, {}
         if mode not in self._by_mode:

@@ -21,6 +21,7 @@ from litestar.exceptions import ClientException, HTTPException, PermissionDenied
 from litestar.handlers.base import BaseRouteHandler
 
 from mlx_dspark.application.settings import ServerSettings
+from mlx_dspark.domain.errors import quoted
 
 
 class UnsupportedMediaType(HTTPException):
@@ -68,17 +69,17 @@ def admission_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
     host = connection.headers.get("host", "")
     if host and not host_allowed(host, settings):
         raise ClientException(
-            detail=f"the Host header {host_name(host)!r} does not name this server (DNS rebinding protection); "
+            detail=f"the Host header {quoted(host_name(host))} does not name this server (DNS rebinding protection); "
             "start the server with --allowed-host to accept it"
         )
     origin = connection.headers.get("origin")
     if origin is not None and not origin_allowed(origin, host, settings):
         raise PermissionDeniedException(
-            detail=f"cross-origin requests from {origin[:100]!r} are refused; start the server with "
+            detail=f"cross-origin requests from {quoted(origin)} are refused; start the server with "
             "--cors-origin to allow that origin"
         )
     if connection.scope.get("method") == "POST":
         content_type = connection.headers.get("content-type", "")
         if not is_json(content_type):
-            shown = repr(content_type[:100]) if content_type else "none"
+            shown = quoted(content_type) if content_type else "none"
             raise UnsupportedMediaType(detail=f"the request body must be sent as application/json (got {shown})")

@@ -2,7 +2,8 @@
 
 Built up while the request runs (prepared prompt, the generation report, the final usage) and emitted
 exactly once: by the driver when the answer is complete, or by the error handler when it is refused.
-Never holds a request body or a header value: only counts, timings, names and short error messages.
+Never holds a request body or a header value: only counts, timings, names and short error messages; the
+caller's own strings (model, path) are cut to a few hundred characters with control characters escaped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from litestar import Request
 
 from mlx_dspark.application.chat_service import ChatItem, Prepared, Report
 from mlx_dspark.domain.chat import TurnFinished
+from mlx_dspark.domain.errors import clipped
 
 log = structlog.get_logger("mlx_dspark.http")
 _STATE_KEY = "request_log"
@@ -40,7 +42,7 @@ class RequestLog:
         if record is None:
             from mlx_dspark.adapters.api.common import new_id
 
-            record = cls(dialect=dialect, path=request.scope["path"], request_id=new_id(""))
+            record = cls(dialect=dialect, path=clipped(request.scope["path"]), request_id=new_id(""))
             request.state[_STATE_KEY] = record
         return record
 
@@ -86,7 +88,7 @@ class RequestLog:
         self.fields["error_type"] = type(exc).__name__
         self.fields["error_status"] = status
         if status < 500:
-            self.fields["error"] = str(exc)[:_MAX_ERROR_CHARS]
+            self.fields["error"] = clipped(str(exc), _MAX_ERROR_CHARS)
 
     def emit(self, status: int, *, outcome: str | None = None) -> None:
         """Log the line (once; later calls are ignored)."""
@@ -100,7 +102,7 @@ class RequestLog:
             request_id=self.request_id,
             dialect=self.dialect,
             path=self.path,
-            model=self.model,
+            model=None if self.model is None else clipped(self.model),  # the caller's, so bounded
             stream=self.stream,
             status=status,
             outcome=outcome,

@@ -14,7 +14,7 @@ from mlx_dspark.adapters.api.openai_responses import codec, errors, wire
 from mlx_dspark.adapters.api.openai_responses.stream import ResponseStream
 from mlx_dspark.application.chat_service import Prepared
 from mlx_dspark.domain.chat import ChatEvent, ChatRequest, Message, TurnFinished
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.entrypoints.http import driver, support
 
 DIALECT = driver.Dialect("openai_responses", errors.from_exception, errors.envelope)
@@ -60,7 +60,7 @@ def _begin(ctx: support.HttpContext, body: Any) -> ResponsesExchange:
     if wreq.previous_response_id:
         if wreq.previous_response_id not in ctx.responses:
             raise InvalidRequest(
-                message=f"previous response {wreq.previous_response_id!r} is not known to this server; "
+                message=f"previous response {quoted(wreq.previous_response_id)} is not known to this server; "
                 "send the whole conversation instead",
                 param="previous_response_id",
             )

@@ -20,7 +20,7 @@ from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import EngineThread
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.chat import ChatEvent, Message
-from mlx_dspark.domain.errors import CapacityExceeded, InvalidRequest, ModelUnavailable, Overloaded
+from mlx_dspark.domain.errors import CapacityExceeded, InvalidRequest, ModelUnavailable, Overloaded, quoted
 
 log = structlog.get_logger("mlx_dspark.http")
 
@@ -57,7 +57,9 @@ class HttpContext:
         """Raises ModelUnavailable (404) unless `name` is the served model."""
         names = self.served_names()
         if name not in names:
-            raise ModelUnavailable(message=f"model {name!r} is not served here; this server serves {names[0]!r}")
+            raise ModelUnavailable(
+                message=f"model {quoted(name)} is not served here; this server serves {quoted(names[0])}"
+            )
 
     def remember(self, response_id: str, history: tuple[Message, ...]) -> None:
         self.responses[response_id] = history

@@ -28,7 +28,7 @@ from mlx_dspark.domain.chat import (
     ToolSpec,
     TurnFinished,
 )
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -196,7 +196,7 @@ def _messages(items: list[wire.InputMessage], signer: ThinkingSigner) -> Iterabl
                 yield Message(role=Role.USER, text="\n\n".join(pending))
         else:
             raise InvalidRequest(
-                message=f"unknown role {m.role!r} in messages.{i} (supported: user, assistant, system)",
+                message=f"unknown role {quoted(m.role)} in messages.{i} (supported: user, assistant, system)",
                 param=f"{where}.role",
             )
 
@@ -250,7 +250,7 @@ def _tool_choice(choice: wire.ToolChoice | None) -> ToolChoice:
             raise InvalidRequest(message="tool_choice.name: a tool_choice of type 'tool' needs a name")
         return ToolChoice(mode=ToolChoiceMode.REQUIRED, name=choice.name, parallel=parallel)
     raise InvalidRequest(
-        message=f"tool_choice.type: unknown type {choice.type!r} (supported: auto, any, tool, none)",
+        message=f"tool_choice.type: unknown type {quoted(choice.type)} (supported: auto, any, tool, none)",
         param="tool_choice.type",
     )
 

@@ -26,7 +26,7 @@ from mlx_dspark.domain.chat import (
     ToolSpec,
     TurnFinished,
 )
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams
 
 FINISH_REASONS = {
@@ -85,7 +85,8 @@ def to_chat_request(req: wire.ChatCompletionRequest, request_id: str = "") -> Ch
         role = _ROLES.get(m.role)
         if role is None:
             raise InvalidRequest(
-                message=f"unknown role {m.role!r} in {where} (supported: system, developer, user, assistant, tool)",
+                message=f"unknown role {quoted(m.role)} in {where} "
+                "(supported: system, developer, user, assistant, tool)",
                 param=f"{where}.role",
             )
         calls = []

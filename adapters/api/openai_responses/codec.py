@@ -25,7 +25,7 @@ from mlx_dspark.domain.chat import (
     ToolChoiceMode,
     ToolSpec,
 )
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.domain.tokens import SamplingParams
 
 REASONING_PREFIX = "mlx-dspark:v1:"
@@ -41,14 +41,14 @@ def _structure_item(v: Any, _: Any) -> Any:
         v = {**v, "type": "message"}  # EasyInputMessage has no type
     if isinstance(v, dict) and v.get("type") in ("item_reference", "compaction"):
         raise common.WireValueError(
-            f"input items of type {v['type']!r} are not supported; send the whole conversation (store: false)"
+            f"input items of type {quoted(v['type'])} are not supported; send the whole conversation (store: false)"
         )
     if not isinstance(v, dict):
         raise common.WireValueError("expected an input item object")
     cls = wire.ITEM_TAGS.get(v.get("type"))  # type: ignore[arg-type]
     if cls is None:
         raise common.WireValueError(
-            f"unknown input item type {v.get('type')!r} (supported: {', '.join(wire.ITEM_TAGS)})"
+            f"unknown input item type {quoted(v.get('type'))} (supported: {', '.join(wire.ITEM_TAGS)})"
         )
     return converter.structure(v, cls)
 
@@ -171,7 +171,8 @@ def _messages(items: str | list[wire.InputItem]) -> list[Message]:
             role = _ROLES.get(item.role)
             if role is None:
                 raise InvalidRequest(
-                    message=f"unknown role {item.role!r} in {where} (supported: system, developer, user, assistant)",
+                    message=f"unknown role {quoted(item.role)} in {where} "
+                    "(supported: system, developer, user, assistant)",
                     param=f"{where}.role",
                 )
             text = _part_text(item.content, f"{where}.content")
@@ -272,7 +273,7 @@ def _tool_choice_object(choice: dict[str, Any], kind: Any) -> ToolChoice | None:
         return common.allowed_tool_choice(choice.get("mode"), choice.get("tools"), lambda t: t.get("name"))
     if isinstance(kind, str):
         raise InvalidRequest(
-            message=f"tool_choice {kind!r} names a hosted tool, which this server cannot run", param="tool_choice"
+            message=f"tool_choice {quoted(kind)} names a hosted tool, which this server cannot run", param="tool_choice"
         )
     return None
 

@@ -375,6 +375,61 @@ def test_a_malformed_host_header_is_never_a_500(live: LiveServer, host: str) -> 
         assert r.status_code < 500, (host, r.text)
 
 
+# ---- a caller's strings reach logs and errors bounded -----------------------------------------------------
+
+FORGED = '\n{"event": "forged", "level": "error"}\x1b]0;pwned\x07'  # a new line, and a terminal's title
+
+
+@pytest.fixture(scope="module")
+def roomy() -> Iterator[LiveServer]:
+    yield from make_server(max_body_bytes=8 << 20)  # a megabyte model name fits in the body
+
+
+def _huge_fields(path: str) -> Iterator[tuple[str, dict[str, object], dict[str, str], int]]:
+    """(what, body, headers, status) of requests whose fields are huge or hold control characters."""
+    huge = FORGED + "m" * 1_000_000
+    yield "model", {**BODIES[path], "model": huge}, {}, 404
+    if "messages" in BODIES[path]:
+        yield "role", {**BODIES[path], "messages": [{"role": FORGED + "r" * 100_000, "content": "hi"}]}, {}, 400
+    else:
+        yield "role", {**BODIES[path], "input": [{"role": FORGED + "r" * 100_000, "content": "hi"}]}, {}, 400
+    yield "host", BODIES[path], {"host": "evil" * 2000 + ".example"}, 400
+    yield "origin", BODIES[path], {"origin": "http://" + "o" * 8000}, 403
+    yield "content-type", BODIES[path], {"content-type": "text/" + "p" * 8000}, 415
+
+
+@pytest.mark.parametrize("json_logs", [True, False], ids=["json", "console"])
+def test_a_callers_huge_or_forged_fields_are_bounded_in_errors_and_logs(roomy: LiveServer, json_logs: bool) -> None:
+    logs = capture_logs(json_logs=json_logs)
+    try:
+        for path in BODIES:
+            for what, body, headers, status in _huge_fields(path):
+                r = _send(roomy, path, body, **headers)
+                assert r.status_code == status, (path, what, r.text[:300])
+                message = str(_error(path, r)["message"])
+                assert len(message) < 1000 and "characters" in message, (path, what, message[:300])
+                assert "\x1b" not in message and "\x07" not in message and "\n" not in message
+        text = logs.text
+        assert "\x1b]0;pwned" not in text and "\x07" not in text and "forged" in text  # there, but escaped
+        assert not [line for line in text.splitlines() if line.startswith('{"event": "forged"')]
+        assert max(len(line) for line in text.splitlines()) < 5000
+        if json_logs:
+            lines = logs.requests()
+            assert len(lines) == 5 * len(BODIES)  # every refusal still has its canonical line
+            assert all(len(str(e.get("model"))) < 300 and len(str(e.get("error", ""))) < 300 for e in lines)
+            assert any("1,000,0" in str(e["model"]) for e in lines)  # cut, saying how long it was
+    finally:
+        restore_logging()
+
+
+def test_a_body_with_many_broken_items_gets_a_bounded_error(live: LiveServer) -> None:
+    body = {**BODIES["/v1/chat/completions"], "messages": [{"role": 1}] * 5000}
+    r = _send(live, "/v1/chat/completions", body)
+    assert r.status_code == 400
+    message = str(_error("/v1/chat/completions", r)["message"])
+    assert "messages[0].role" in message and "more" in message and len(message) < 2000
+
+
 # ---- the root needs the key -------------------------------------------------------------------------------
 
 
