@@ -17,7 +17,7 @@ import attrs
 
 from mlx_dspark.application.calibration import CalibrationPlan, Progress, curves_for, drafter_identity
 from mlx_dspark.application.data import load_prompts
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel
 from mlx_dspark.domain.costmodel.arbiter import ArbiterConfig, SourceArbiter
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey

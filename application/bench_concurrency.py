@@ -1,15 +1,15 @@
 """`mlx-dspark bench --concurrency`: aggregate decode tok/s of N requests decoded together, 1 first.
 
-All N requests arrive at once and run through the engine's own `BatchScheduler` (N = 1 is the serial
-path). Decode throughput counts the tokens committed after every row has its first token, over the time
-from then to the last token, so prefill does not hide in it; end-to-end tok/s is reported beside it.
+All N requests arrive at once and run through the server's own step engine (N = 1 is a batch of one). Decode
+throughput counts the tokens committed after every row has its first token, over the time from then to the last
+token, so prefill does not hide in it; end-to-end tok/s is reported beside it.
 Each level's first request is checked against the same request at N = 1 (greedy: token for token;
 sampled: the same seed gives the same tokens).
 
 With several modes (`--modes baseline,dspark,lookup`) every level runs each mode back to back, plain
 decoding first, so each mode's ratio against batched plain decoding at the same N is paired in time
 (`run_concurrency_modes`); greedy runs also check each mode's first request against plain decoding's. Each mode
-keeps one scheduler over the levels, as a server keeps one: its width decisions start each level from what the
+keeps one engine over the levels, as a server keeps one: its width decisions start each level from what the
 earlier levels taught them.
 """
 
@@ -21,9 +21,10 @@ from typing import Any
 
 import attrs
 
-from mlx_dspark.application.batching import BatchBackend, BatchScheduler
+from mlx_dspark.application.engine import Engine, JobEvent, JobFailed, JobItem, RowsFactory, StepJob, speculates
 from mlx_dspark.application.generation import (
     GenerationDone,
+    GenerationJob,
     GenerationRequest,
     GenerationResult,
     GenerationService,
@@ -56,6 +57,8 @@ class ConcurrencyPoint:
 
 
 class _Job:
+    """One request as the engine's task: it records when each chunk of tokens arrived."""
+
     def __init__(self, request: GenerationRequest, clock: Clock) -> None:
         self.request = request
         self.cancelled = False
@@ -65,21 +68,21 @@ class _Job:
         self.error: BaseException | None = None
         self.result: GenerationResult | None = None
 
-    def work(self, generator: GenerationService) -> Any:
-        return generator.stream(self.request)
+    def start(self, service: GenerationService, emit: Callable[[Any], None]) -> StepJob:
+        return GenerationJob(service, self.request, emit)
+
+    def push(self, event: JobEvent) -> None:
+        value = event.value if isinstance(event, JobItem) else None
+        if isinstance(value, TextChunk) and value.token_ids:
+            self.stamps.append((self.clock.now(), len(value.token_ids)))
+            self.tokens.extend(value.token_ids)
+        elif isinstance(value, GenerationDone):
+            self.result = value.result
+        elif isinstance(event, JobFailed):
+            self.error = event.error
 
     def cancel(self) -> None:
         self.cancelled = True
-
-
-def _push(job: _Job, kind: str, value: Any) -> None:
-    if kind == "item" and isinstance(value, TextChunk) and value.token_ids:
-        job.stamps.append((job.clock.now(), len(value.token_ids)))
-        job.tokens.extend(value.token_ids)
-    elif kind == "item" and isinstance(value, GenerationDone):
-        job.result = value.result
-    elif kind == "error":
-        job.error = value
 
 
 def _taker(jobs: Sequence[_Job]) -> Callable[[], _Job | None]:
@@ -101,14 +104,14 @@ def _measure(
     generator: GenerationService,
     requests: Sequence[GenerationRequest],
     clock: Clock,
-    scheduler: BatchScheduler,
+    engine: Engine,
 ) -> _Run:
-    """Run the requests together on the mode's scheduler."""
+    """Run the requests together on the mode's engine."""
     generator.model.target.reset(0)  # no prefix from the previous level
     jobs = [_Job(r, clock) for r in requests]
-    scheduler.widest, drafted_before = 0, scheduler.drafting_steps
+    engine.widest, drafted_before = 0, engine.drafting_steps
     start = clock.now()
-    scheduler.run(jobs[0], _taker(jobs[1:]))
+    engine.run(jobs[0], _taker(jobs[1:]))
     wall = clock.now() - start
     failed = [j.error for j in jobs if j.error is not None]
     if failed:
@@ -123,7 +126,7 @@ def _measure(
     last = max((j.stamps[-1][0] for j in stamped), default=all_started)
     first_done = min((j.stamps[-1][0] for j in stamped), default=all_started)
     return _Run(
-        jobs, rate(last), rate(first_done), wall, max(scheduler.widest, 1), scheduler.drafting_steps - drafted_before
+        jobs, rate(last), rate(first_done), wall, max(engine.widest, 1), engine.drafting_steps - drafted_before
     )
 
 
@@ -134,7 +137,7 @@ def _paired(runs: Sequence[_Run], plain: Sequence[_Run], rate: Callable[[_Run], 
 
 def run_concurrency_modes(
     generators: Mapping[str, GenerationService],
-    backend: BatchBackend,
+    rows: RowsFactory,
     prompts: Sequence[str],
     clock: Clock,
     *,
@@ -152,12 +155,14 @@ def run_concurrency_modes(
         raise ValueError(f"trials must be >= 1, got {trials}")
     order = sorted({1, *levels})
     modes = list(generators)
-    # One scheduler per mode for every level, as the engine keeps one for its life: what its width decisions
+    # One engine per mode for every level, as the server keeps one for its life: what its width decisions
     # learned (pooled acceptance, tick costs by width) carries from one level to the next.
-    schedulers = {
-        mode: BatchScheduler(backend, gen, max_batch=max(order), push=_push, observe_forwards=True)
-        for mode, gen in generators.items()
-    }
+    engines: dict[str, Engine] = {}
+    for mode, gen in generators.items():
+        backend = rows(gen.model.target, speculates(gen))
+        if backend is None:
+            raise ValueError(f"{mode}: this target has no batched rows for this mode")
+        engines[mode] = Engine(backend, gen, max_batch=max(order), observe_forwards=True)
 
     def request(i: int) -> GenerationRequest:
         sampling = SamplingParams(temperature=temperature, seed=seed + i)
@@ -173,7 +178,7 @@ def run_concurrency_modes(
             for m, mode in enumerate(modes):
                 if progress is not None:
                     progress(f"{mode} at {n} concurrent", ((k * trials + trial) * len(modes) + m) / steps)
-                runs[mode].append(_measure(generators[mode], [request(i) for i in range(n)], clock, schedulers[mode]))
+                runs[mode].append(_measure(generators[mode], [request(i) for i in range(n)], clock, engines[mode]))
         plain = runs[modes[0]]
         for m, mode in enumerate(modes):
             done = runs[mode]

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlx_dspark.application.batching import BatchBackend, BatchBackendFactory
-from mlx_dspark.application.chat_service import FamilySelector
+from mlx_dspark.application.chat_service import ChatService, FamilySelector
+from mlx_dspark.application.engine import RowsBackend, RowsFactory
 from mlx_dspark.application.generation import MonotonicClock
 from mlx_dspark.application.ports import (
     CalibrationStore,
@@ -26,7 +26,7 @@ from mlx_dspark.application.ports import (
     Runtime,
 )
 from mlx_dspark.application.prefix_cache import PrefixCaches
-from mlx_dspark.application.services import Services
+from mlx_dspark.application.services import Server, Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.ports import TargetModel, TelemetrySink
 
@@ -152,7 +152,37 @@ def _broadcasting(inner: TelemetrySink) -> TelemetrySink:
     return inner if isinstance(inner, BroadcastTelemetrySink) else BroadcastTelemetrySink(inner)
 
 
-def build_dashboard(services: Services, settings: Settings | None = None) -> Dashboard:
+def build_server(services: Services, settings: Settings | None = None) -> Server:
+    """The server face over `services`: one ChatService (the dialects' and the dashboard's chat), the engine
+    thread that loads the configured model and mode, the dashboard's use cases and the Responses turn store.
+    Nothing runs yet: the app's lifespan starts the engine."""
+    from mlx_dspark.adapters.storage.responses import MemoryResponseStore
+    from mlx_dspark.application.engine import EngineThread
+    from mlx_dspark.application.modes import build_generator
+
+    settings = settings or services.settings
+    chat = ChatService(services.families, settings.server)
+    dashboard = build_dashboard(services, settings, chat=chat)
+    engine = EngineThread(
+        lambda: build_generator(services, settings),
+        max_queue=settings.server.max_queue,
+        max_batch=settings.server.max_batch,
+        rows=rows_factory(),
+        on_serve=dashboard.served,
+    )
+    return Server(
+        settings=settings,
+        services=services,
+        engine=engine,
+        chat=chat,
+        dashboard=dashboard,
+        responses=MemoryResponseStore(),
+    )
+
+
+def build_dashboard(
+    services: Services, settings: Settings | None = None, *, chat: ChatService | None = None
+) -> Dashboard:
     """The web dashboard's use cases over real adapters (SQLite sessions, HF hub and caches, MLX probe).
 
     `settings.dashboard` says where: the session database (unset: $MLX_DSPARK_SESSION_DB, else
@@ -167,7 +197,6 @@ def build_dashboard(services: Services, settings: Settings | None = None) -> Das
     from mlx_dspark.adapters.mlx.memory import MlxMachineProbe
     from mlx_dspark.adapters.storage.sessions import SqliteSessionStore
     from mlx_dspark.adapters.telemetry.broadcast import BroadcastTelemetrySink
-    from mlx_dspark.application.chat_service import ChatService
     from mlx_dspark.application.dashboard.models import ModelManager
     from mlx_dspark.application.dashboard.modes import ModeSet
     from mlx_dspark.application.dashboard.service import Dashboard
@@ -189,7 +218,9 @@ def build_dashboard(services: Services, settings: Settings | None = None) -> Das
         machine,
     )
     return Dashboard(
-        sessions=SessionService(SqliteSessionStore(db), ChatService(services.families, settings.server), modes, feed),
+        sessions=SessionService(
+            SqliteSessionStore(db), chat or ChatService(services.families, settings.server), modes, feed
+        ),
         modes=modes,
         models=manager,
         probe=machine,
@@ -197,13 +228,14 @@ def build_dashboard(services: Services, settings: Settings | None = None) -> Das
     )
 
 
-def batch_backend_factory() -> BatchBackendFactory:
-    """The batched form of a loaded target, for continuous batching (None for targets that have none)."""
+def rows_factory() -> RowsFactory:
+    """The step engine's batched rows of a loaded target (None for targets that have none, or none that verify
+    drafts when `speculative`): then requests run one at a time on the target."""
 
-    def factory(target: TargetModel) -> BatchBackend | None:
-        from mlx_dspark.adapters.mlx.batched_target import batch_backend
+    def factory(target: TargetModel, speculative: bool) -> RowsBackend | None:
+        from mlx_dspark.adapters.mlx.rows import mlx_rows
 
-        return batch_backend(target)
+        return mlx_rows(target, speculative)
 
     return factory
 

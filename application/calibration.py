@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from mlx_dspark.application.data import sample_text
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel, Tokenizer
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves

@@ -6,14 +6,14 @@ any token is generated, so each dialect can answer with its clients' exact overf
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
 from mlx_dspark.application.generation import (
-    GenerationDone,
+    GenerationEvent,
+    GenerationJob,
     GenerationRequest,
     GenerationResult,
     GenerationService,
@@ -36,6 +36,7 @@ from mlx_dspark.domain.chat import (
     TurnFinished,
 )
 from mlx_dspark.domain.chat.admission import prompt_token_floor
+from mlx_dspark.domain.decoder import Work
 from mlx_dspark.domain.errors import InvalidRequest
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import FinishReason
@@ -161,62 +162,25 @@ class ChatService:
         return Prepared(prompt_tokens=len(turn.rendered.ids), max_tokens=turn.max_tokens)
 
     def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
-        """Yield Prepared, then text / reasoning / tool-call events, then a Report and one TurnFinished.
+        """Yield Prepared, then text / reasoning / tool-call events, then a Report and one TurnFinished (the turn
+        alone on the step engine, a batch of one over the service's target).
 
         Raises:
             PromptTooLong: the prompt alone does not fit the context window.
             OutputTooLong: a strict-budget request's max_tokens does not fit next to the prompt.
             InvalidRequest: the chat template cannot render the conversation.
         """
-        turn = self._prepare(generator.model, request)
-        r = turn.rendered
-        yield Prepared(prompt_tokens=len(r.ids), max_tokens=turn.max_tokens)
-        parser = r.codec.parser(r.tools, starts_in_thinking=r.starts_in_thinking, forced=r.forced)
-        # one call only: the call's end marker stops generation (an internal stop, never reported as one)
-        single = bool(r.tools) and not request.tool_choice.parallel and r.codec.tool_end not in request.stop
-        internal_stop = (r.codec.tool_end,) if single and r.codec.tool_end else ()
-        greq = GenerationRequest(
-            prompt=r.ids,
-            max_tokens=turn.max_tokens,
-            sampling=request.sampling,
-            stop=request.stop + internal_stop,
-            request_id=request.request_id or GenerationRequest(prompt="").request_id,
-            boundaries=self.stable_boundaries(generator, request, r.ids),
-        )
-        done: GenerationDone | None = None
-        with contextlib.closing(generator.stream(greq, prompt_ids=r.ids)) as events:
-            for event in events:
-                if isinstance(event, TextChunk):
-                    yield from parser.feed(event.text)
-                else:
-                    done = event
-        yield from parser.finish()
-        if done is None:  # pragma: no cover - GenerationService always ends with GenerationDone
-            raise AssertionError("generation ended without a result")
-        result = done.result
-        reasoning = "".join(parser.reasoning_text)
-        tok = generator.model.tokenizer
-        usage = ChatUsage(
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.generated_tokens,
-            cached_prompt_tokens=result.cached_prompt_tokens,
-            reasoning_tokens=min(len(tok.encode(reasoning, add_special_tokens=False)), result.generated_tokens)
-            if reasoning
-            else 0,
-        )
-        reason = result.finish_reason
-        if reason is FinishReason.STOP_SEQUENCE and result.stop_sequence in internal_stop:
-            reason = FinishReason.STOP  # our own one-call stop, not the client's
-        if parser.cut and reason is not FinishReason.CONTEXT:
-            reason = FinishReason.LENGTH  # a call went out that the model did not finish: no client runs it
-        elif parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):
-            reason = FinishReason.TOOL_CALLS
-        yield Report(result=result)
-        yield TurnFinished(
-            reason=reason,
-            usage=usage,
-            stop_sequence=result.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None,
-        )
+        from mlx_dspark.application.engine.rows import SerialRows
+        from mlx_dspark.application.engine.step import Engine
+
+        items: list[ChatItem] = []
+        engine = Engine(SerialRows(generator.model.target), generator, fork=False)
+        yield from engine.run_alone(lambda _row: self.job(generator, request, items.append), items)
+
+    def job(self, generator: GenerationService, request: ChatRequest, emit: Callable[[ChatItem], None]) -> ChatJob:
+        """The turn as the step engine drives it over `generator` (the service of its row): renders and checks
+        it now (the errors of `stream`), then emits Prepared and the rest as `stream` yields them."""
+        return ChatJob(self, generator, request, emit)
 
     def stable_boundaries(
         self, generator: GenerationService, request: ChatRequest, ids: Sequence[int]
@@ -327,6 +291,72 @@ class ChatService:
                 )
             wanted = room
         return _Turn(rendered=rendered, max_tokens=wanted)
+
+
+class ChatJob:
+    """One chat turn as a StepJob: the family codec's parser over the generation job's text."""
+
+    def __init__(
+        self, chat: ChatService, generator: GenerationService, request: ChatRequest, emit: Callable[[ChatItem], None]
+    ) -> None:
+        turn = chat._prepare(generator.model, request)
+        r = turn.rendered
+        self._emit = emit
+        self._request = request
+        self._tokenizer = generator.model.tokenizer
+        emit(Prepared(prompt_tokens=len(r.ids), max_tokens=turn.max_tokens))
+        self._parser = r.codec.parser(r.tools, starts_in_thinking=r.starts_in_thinking, forced=r.forced)
+        # one call only: the call's end marker stops generation (an internal stop, never reported as one)
+        single = bool(r.tools) and not request.tool_choice.parallel and r.codec.tool_end not in request.stop
+        self._internal_stop = (r.codec.tool_end,) if single and r.codec.tool_end else ()
+        greq = GenerationRequest(
+            prompt=r.ids,
+            max_tokens=turn.max_tokens,
+            sampling=request.sampling,
+            stop=request.stop + self._internal_stop,
+            request_id=request.request_id or GenerationRequest(prompt="").request_id,
+            boundaries=chat.stable_boundaries(generator, request, r.ids),
+        )
+        self._generation = GenerationJob(generator, greq, self._on_generation, prompt_ids=r.ids)
+
+    def work(self) -> Work | None:
+        return self._generation.work()
+
+    def advance(self, result: Any) -> int | None:
+        return self._generation.advance(result)
+
+    def cancel(self) -> None:
+        self._generation.cancel()
+
+    def _count(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _on_generation(self, event: GenerationEvent) -> None:
+        if isinstance(event, TextChunk):
+            for item in self._parser.feed(event.text):
+                self._emit(item)
+            return
+        for item in self._parser.finish():
+            self._emit(item)
+        result = event.result
+        parser = self._parser
+        reasoning = "".join(parser.reasoning_text)
+        usage = ChatUsage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.generated_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
+            reasoning_tokens=min(self._count(reasoning), result.generated_tokens) if reasoning else 0,
+        )
+        reason = result.finish_reason
+        if reason is FinishReason.STOP_SEQUENCE and result.stop_sequence in self._internal_stop:
+            reason = FinishReason.STOP  # our own one-call stop, not the client's
+        if parser.cut and reason is not FinishReason.CONTEXT:
+            reason = FinishReason.LENGTH  # a call went out that the model did not finish: no client runs it
+        elif parser.calls and reason in (FinishReason.STOP, FinishReason.CANCELLED):
+            reason = FinishReason.TOOL_CALLS
+        self._emit(Report(result=result))
+        stop_sequence = result.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None
+        self._emit(TurnFinished(reason=reason, usage=usage, stop_sequence=stop_sequence))
 
 
 def _tool_plan(request: ChatRequest) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...], bool, str | None]:

@@ -9,20 +9,27 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from mlx_dspark.application.decode_loop import decode
 from mlx_dspark.application.detokenizer import IncrementalDetokenizer
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.prefix_cache import PrefixCache
 from mlx_dspark.domain.cache import common_prefix
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy
+from mlx_dspark.domain.decoder import RequestDecoder, Work
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, SourceSelector
 from mlx_dspark.domain.errors import InvalidRequest
-from mlx_dspark.domain.events import Finished, PrefixReused, RoundFinished, SourceSwitched, TokensCommitted
+from mlx_dspark.domain.events import (
+    DecodeEvent,
+    Finished,
+    PrefixReused,
+    RoundFinished,
+    SourceSwitched,
+    TokensCommitted,
+)
 from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel, TelemetrySink
 from mlx_dspark.domain.stops import StopStringMatcher
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
@@ -182,17 +189,58 @@ class GenerationService:
 
     def stream(
         self, request: GenerationRequest, prompt_ids: Sequence[int] | None = None
-    ) -> Generator[GenerationEvent, None, None]:
-        """Yield text deltas, then one GenerationDone; closing the iterator cancels the request."""
-        ids = list(prompt_ids) if prompt_ids is not None else self.encode_prompt(request)
+    ) -> Iterator[GenerationEvent]:
+        """Yield text deltas, then one GenerationDone; closing the iterator cancels the request. The request
+        runs on the step engine as a batch of one over this service's target."""
+        from mlx_dspark.application.engine.rows import SerialRows
+        from mlx_dspark.application.engine.step import Engine
+
+        items: list[Any] = []
+
+        def make(row: Any) -> GenerationJob:
+            return GenerationJob(self, request, items.append, prompt_ids=prompt_ids)
+
+        yield from Engine(SerialRows(self.model.target), self, fork=False).run_alone(make, items)
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run a request to completion."""
+        for event in self.stream(request):
+            if isinstance(event, GenerationDone):
+                return event.result
+        raise AssertionError("the stream ended without a result")
+
+
+class GenerationJob:
+    """One request of a GenerationService as the step engine drives it: the decode loop over the service's
+    target (a row), with detokenization, stop strings, prefix reuse and the request's telemetry around it.
+
+    Emits TextChunks (every committed id, its text held back only by a possible stop string or an unfinished
+    character), then one GenerationDone. Construction runs the request's checks and prefix lookup.
+    """
+
+    def __init__(
+        self,
+        service: GenerationService,
+        request: GenerationRequest,
+        emit: Callable[[GenerationEvent], None],
+        *,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> None:
+        self._service = service
+        self._request = request
+        self._emit = emit
+        ids = list(prompt_ids) if prompt_ids is not None else service.encode_prompt(request)
         if not ids:
             raise InvalidRequest(message="the prompt encodes to no tokens", param="prompt")
-        stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=self.model.tokenizer.eos_ids)
-        selection = self.selector.select(ids, request.sampling)
+        self._ids = ids
+        model, telemetry, clock = service.model, service.telemetry, service.clock
+        self._telemetry, self._clock = telemetry, clock
+        stop_rule = StopRule(max_tokens=request.max_tokens, eos_ids=model.tokenizer.eos_ids)
+        self._selection = selection = service.selector.select(ids, request.sampling)
         if selection.switched is not None:
-            self._telemetry.emit(request.request_id, selection.switched)
-        target = self.model.target
-        cache = self.prefix_cache if request.prefix_cache else None
+            telemetry.emit(request.request_id, selection.switched)
+        target = self._target = model.target
+        cache = self._cache = service.prefix_cache if request.prefix_cache else None
         points: tuple[int, ...] = ()
         if cache is not None:
             found = cache.prepare(target, ids)
@@ -203,131 +251,134 @@ class GenerationService:
             reuse = common_prefix(target.cached_ids, ids) if request.prefix_cache else 0
             reuse = min(reuse, len(ids) - 1)  # the loop prefills at least the prompt's last token
             origin = "live" if reuse else "none"
-        self._telemetry.emit(request.request_id, PrefixReused(prompt_tokens=len(ids), rows=reuse, source=origin))
-        detok = IncrementalDetokenizer(self.model.tokenizer)
-        matcher = StopStringMatcher(request.stop)
-        start = self._clock.now()
-        first_token_at: float | None = None
-        tokens: list[int] = []
-        text_parts: list[str] = []
-        caps: Counter[int] = Counter()
-        running = selection.name  # auto may move the request between rounds (SourceSwitched)
-        source_rounds: Counter[str] = Counter()
-        switches = 0
-        matched: str | None = None
-        finished: Finished | None = None
-        failed = False
-        events = decode(
-            self.model.target,
+        telemetry.emit(request.request_id, PrefixReused(prompt_tokens=len(ids), rows=reuse, source=origin))
+        self._detok = IncrementalDetokenizer(model.tokenizer)
+        self._matcher = StopStringMatcher(request.stop)
+        self._start = clock.now()
+        self._first_token_at: float | None = None
+        self._tokens: list[int] = []
+        self._text: list[str] = []
+        self._caps: Counter[int] = Counter()
+        self._running = selection.name  # auto may move the request between rounds (SourceSwitched)
+        self._source_rounds: Counter[str] = Counter()
+        self._switches = 0
+        self._matched: str | None = None
+        self._decoder = RequestDecoder(
+            target,
             ids,
             request.sampling,
             stop_rule,
-            self._clock,
+            clock,
+            self._on_event,
             selection=selection,
             reuse_prefix=reuse,
-            context_window=self.model.context_window,
-            halt=lambda: matched is not None,
+            context_window=model.context_window,
+            halt=lambda: self._matched is not None,
             snapshots=points,
             on_snapshot=None if cache is None else lambda: cache.remember(target),
         )
-        try:
-            for event in events:
-                if isinstance(event, Finished):
-                    finished = event
-                    continue
-                self._telemetry.emit(request.request_id, event)
-                if isinstance(event, TokensCommitted):
-                    if first_token_at is None:
-                        first_token_at = self._clock.now()
-                    if matched is not None:  # pragma: no cover - the loop halts at the end of the round
-                        continue
-                    # With stop strings, text goes one token at a time: the ids kept end at the stop.
-                    steps = [event.tokens] if not request.stop else [(t,) for t in event.tokens]
-                    emitted: list[str] = []
-                    kept: list[int] = []
-                    for step in steps:
-                        kept.extend(step)
-                        check = matcher.feed(detok.add(step))
-                        emitted.append(check.emit)
-                        if check.matched is not None:
-                            matched = check.matched
-                            break
-                    tokens.extend(kept)
-                    text = "".join(emitted)
-                    if text:
-                        text_parts.append(text)
-                    if text or kept:  # every committed id streams, also one whose text is held back or a stop's
-                        yield TextChunk(text=text, token_ids=tuple(kept))
-                elif isinstance(event, RoundFinished):
-                    caps[event.cap] += 1
-                    source_rounds[running] += 1
-                elif isinstance(event, SourceSwitched):
-                    running = event.new
-                    switches += 1
-        except Exception:
-            failed = True
-            raise
-        finally:
-            events.close()
-            # A cancelled request (GeneratorExit) is remembered too: its rows are consistent between rounds.
-            if cache is not None and not failed:
-                cache.remember(target)
-        if finished is None:  # pragma: no cover - the decode loop always ends with Finished
-            raise AssertionError("the decode loop ended without Finished")
-        if matched is None:
-            tail = matcher.feed(detok.flush()).emit + matcher.flush()
+
+    def work(self) -> Work | None:
+        return self._decoder.work()
+
+    def advance(self, result: Any) -> int | None:
+        return self._decoder.advance(result)
+
+    def cancel(self) -> None:
+        """The client went away: the rows are consistent between rounds, so the prefix is remembered."""
+        self._decoder.cancel()
+        if self._cache is not None:
+            self._cache.remember(self._target)
+
+    def _on_event(self, event: DecodeEvent) -> None:
+        request = self._request
+        if isinstance(event, Finished):
+            self._finish(event)
+            return
+        self._telemetry.emit(request.request_id, event)
+        if isinstance(event, TokensCommitted):
+            if self._first_token_at is None:
+                self._first_token_at = self._clock.now()
+            if self._matched is not None:  # pragma: no cover - the loop halts at the end of the round
+                return
+            # With stop strings, text goes one token at a time: the ids kept end at the stop.
+            steps = [event.tokens] if not request.stop else [(t,) for t in event.tokens]
+            emitted: list[str] = []
+            kept: list[int] = []
+            for step in steps:
+                kept.extend(step)
+                check = self._matcher.feed(self._detok.add(step))
+                emitted.append(check.emit)
+                if check.matched is not None:
+                    self._matched = check.matched
+                    break
+            self._tokens.extend(kept)
+            text = "".join(emitted)
+            if text:
+                self._text.append(text)
+            self._emit(TextChunk(text=text, token_ids=tuple(kept)))  # every committed id streams
+        elif isinstance(event, RoundFinished):
+            self._caps[event.cap] += 1
+            self._source_rounds[self._running] += 1
+        elif isinstance(event, SourceSwitched):
+            self._running = event.new
+            self._switches += 1
+
+    def _finish(self, finished: Finished) -> None:
+        request, ids = self._request, self._ids
+        if self._cache is not None:
+            self._cache.remember(self._target)
+        if self._matched is None:
+            tail = self._matcher.feed(self._detok.flush()).emit + self._matcher.flush()
             if tail:
-                text_parts.append(tail)
-                yield TextChunk(text=tail, token_ids=())
+                self._text.append(tail)
+                self._emit(TextChunk(text=tail, token_ids=()))
         end = self._clock.now()
         # Tokens past a stop string were generated in its round but are not output; nor can more of the
         # prompt be cached than the prompt.
         usage = attrs.evolve(
             finished.usage,
-            generated_tokens=len(tokens),
+            generated_tokens=len(self._tokens),
             cached_prompt_tokens=min(finished.usage.cached_prompt_tokens, len(ids)),
-            source_switches=switches,
-            source_rounds=dict(sorted(source_rounds.items())),
+            source_switches=self._switches,
+            source_rounds=dict(sorted(self._source_rounds.items())),
         )
-        reason = FinishReason.STOP_SEQUENCE if matched is not None else finished.reason
-        finished = Finished(reason=reason, usage=usage, stop_sequence=matched)
-        self._telemetry.emit(request.request_id, finished)
-        self.selector.finished(selection, usage)
-        ttft = (first_token_at - start) if first_token_at is not None else end - start
-        decode_s = max(end - (first_token_at or end), 1e-9)
-        yield GenerationDone(
-            result=GenerationResult(
-                text="".join(text_parts),
-                token_ids=tuple(tokens),
-                finish_reason=reason,
-                stop_sequence=matched,
-                prompt_tokens=len(ids),
-                cached_prompt_tokens=usage.cached_prompt_tokens,
-                generated_tokens=len(tokens),
-                rounds=usage.rounds,
-                drafted=usage.drafted,
-                accepted=usage.accepted,
-                mean_accepted=usage.mean_accepted,
-                tokens_per_second=max(len(tokens) - 1, 0) / decode_s if len(tokens) > 1 else 0.0,
-                end_to_end_tokens_per_second=len(tokens) / max(end - start, 1e-9),
-                time_to_first_token_s=ttft,
-                prefill_s=usage.prefill_s,
-                decode_s=usage.decode_s,
-                mode=self.mode,
-                cap=max(caps, default=0),
-                source=usage.source,
-                cap_histogram=dict(sorted(caps.items())),
-                source_switches=switches,
-                source_rounds=usage.source_rounds,
+        reason = FinishReason.STOP_SEQUENCE if self._matched is not None else finished.reason
+        done = Finished(reason=reason, usage=usage, stop_sequence=self._matched)
+        self._telemetry.emit(request.request_id, done)
+        self._service.selector.finished(self._selection, usage)
+        first = self._first_token_at
+        ttft = (first - self._start) if first is not None else end - self._start
+        decode_s = max(end - (first or end), 1e-9)
+        n = len(self._tokens)
+        self._emit(
+            GenerationDone(
+                result=GenerationResult(
+                    text="".join(self._text),
+                    token_ids=tuple(self._tokens),
+                    finish_reason=reason,
+                    stop_sequence=self._matched,
+                    prompt_tokens=len(ids),
+                    cached_prompt_tokens=usage.cached_prompt_tokens,
+                    generated_tokens=n,
+                    rounds=usage.rounds,
+                    drafted=usage.drafted,
+                    accepted=usage.accepted,
+                    mean_accepted=usage.mean_accepted,
+                    tokens_per_second=max(n - 1, 0) / decode_s if n > 1 else 0.0,
+                    end_to_end_tokens_per_second=n / max(end - self._start, 1e-9),
+                    time_to_first_token_s=ttft,
+                    prefill_s=usage.prefill_s,
+                    decode_s=usage.decode_s,
+                    mode=self._service.mode,
+                    cap=max(self._caps, default=0),
+                    source=usage.source,
+                    cap_histogram=dict(sorted(self._caps.items())),
+                    source_switches=self._switches,
+                    source_rounds=usage.source_rounds,
+                )
             )
         )
-
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        """Run a request to completion."""
-        for event in self.stream(request):
-            if isinstance(event, GenerationDone):
-                return event.result
-        raise AssertionError("the stream ended without a result")
 
 
 class MonotonicClock:
@@ -340,6 +391,7 @@ class MonotonicClock:
 __all__ = [
     "GenerationDone",
     "GenerationEvent",
+    "GenerationJob",
     "GenerationRequest",
     "GenerationResult",
     "GenerationService",

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from mlx_dspark.domain.cache import StoredPrefix
+from mlx_dspark.domain.chat import Message
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.model import LoadedModel, ReferenceRun, Tokenizer, TrainingTarget
 from mlx_dspark.domain.ports import CacheState, Clock, DraftSource
@@ -174,4 +175,16 @@ class ReferenceDecoder(Protocol):
         self, model: LoadedModel, prompt: Sequence[int], *, max_tokens: int, eos_ids: frozenset[int], clock: Clock
     ) -> ReferenceRun:
         """Greedy-decode `prompt` on `model`'s own weights with a fresh cache of its own (ours is untouched)."""
+        ...
+
+
+class ResponseStore(Protocol):
+    """Finished Responses turns by id, so a later request can continue one with `previous_response_id`."""
+
+    def remember(self, response_id: str, history: tuple[Message, ...]) -> None:
+        """Keep the conversation that ended with response `response_id` (the oldest may be forgotten)."""
+        ...
+
+    def recall(self, response_id: str) -> tuple[Message, ...] | None:
+        """The conversation of `response_id`, or None when it is not (or no longer) known."""
         ...

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mlx_dspark.domain.costmodel.prefill import ForwardCost
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.events import TelemetryEvent
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
+
+if TYPE_CHECKING:  # the decoder's work values name these ports' rows
+    from mlx_dspark.domain.decoder import Prefill, Verify
 
 
 class RollbackKind(enum.Enum):
@@ -193,3 +196,72 @@ class TelemetrySink(Protocol):
     """Receives a request's decode events (and the batch scheduler's ticks, under its own id)."""
 
     def emit(self, request_id: str, event: TelemetryEvent) -> None: ...
+
+
+# The step engine's rows: a target whose requests' forwards run together (application/engine/step.py).
+
+
+class Row(Protocol):
+    """One request's row: the TargetModel port's bookkeeping (its forwards are the backend's)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+    @property
+    def cached_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def rollback_kind(self) -> RollbackKind: ...
+
+    @property
+    def state_tag(self) -> str: ...
+
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int: ...
+
+    def take_features(self) -> Any: ...
+
+    def save_state(self) -> Any: ...
+
+    def load_state(self, state: Any, keep: int) -> int: ...
+
+
+class RowsBackend(Protocol):
+    """A target as rows whose forwards the step engine runs together."""
+
+    @property
+    def capacity(self) -> int:
+        """Rows open at once (1: one request at a time)."""
+        ...
+
+    @property
+    def speculative(self) -> bool:
+        """Whether rows may verify drafts while others are open (else a batch of them steps plainly)."""
+        ...
+
+    def open(self) -> Row:
+        """A new row for one request."""
+        ...
+
+    def close(self, row: Row) -> None:
+        """The request ended (or failed): its row leaves at once."""
+        ...
+
+    def prefill(self, row: Row, piece: Prefill) -> tuple[bool, int | None]:
+        """The next chunk of `piece` (the same piece until done): (done, the first token when `piece.last`)."""
+        ...
+
+    def verify(self, calls: Mapping[Row, Verify]) -> dict[Row, Acceptance]:
+        """Every row's [anchor, drafts...] in one forward (a row of a batch: all of its rows at once)."""
+        ...
+
+    def commit(self, keep: Mapping[Row, int]) -> None:
+        """Keep the first `keep[row]` verified rows of each verified row; exactly undo the rest."""
+        ...
+
+    @property
+    def stats(self) -> Mapping[str, int]:
+        """Counters of the backend's own (for example rows moved into a batch)."""
+        ...

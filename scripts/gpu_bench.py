@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlx_dspark.adapters.mlx.mlx_lm_reference import reference_generate
     from mlx_dspark.adapters.mlx.target import MlxTargetModel
-    from mlx_dspark.application.decode_loop import decode
+    from mlx_dspark.application.engine import decode
     from mlx_dspark.domain.events import Finished, TokensCommitted
     from mlx_dspark.domain.tokens import SamplingParams, StopRule
 

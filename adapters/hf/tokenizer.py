@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,9 @@ class HfTokenizer:
     """
 
     def __init__(self, tokenizer: Any, eos_ids: Iterable[int] | None = None) -> None:
+        # Every call goes through one lock: the engine thread detokenizes while a server worker may check a
+        # queued request's prompt, and an HF tokenizer is not documented as safe for concurrent use.
+        self._lock = threading.RLock()
         self.wrapper = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self._eos = frozenset(eos_ids) if eos_ids is not None else collect_eos_ids(tokenizer)
@@ -97,10 +101,11 @@ class HfTokenizer:
         tokenizer; a partial byte decodes to U+FFFD's three bytes, which only loosens the bound)."""
         ids = [[i] for i in range(self._vocab_size)]
         backend = getattr(self._hf, "backend_tokenizer", None)
-        if backend is not None:
-            texts = backend.decode_batch(ids, skip_special_tokens=False)
-        else:
-            texts = self._hf.batch_decode(ids, skip_special_tokens=False)
+        with self._lock:
+            if backend is not None:
+                texts = backend.decode_batch(ids, skip_special_tokens=False)
+            else:
+                texts = self._hf.batch_decode(ids, skip_special_tokens=False)
         return max((len(t.encode("utf-8")) for t in texts), default=0)
 
     @property
@@ -113,11 +118,13 @@ class HfTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with BOS etc. when the tokenizer adds them and `add_special_tokens`)."""
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        with self._lock:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included (stop handling is the caller's)."""
-        return str(self._hf.decode(list(ids), skip_special_tokens=False))
+        with self._lock:
+            return str(self._hf.decode(list(ids), skip_special_tokens=False))
 
     def render_chat(
         self, messages: ChatMessages, *, tools: ToolSpecs | None = None, template_kwargs: TemplateVars | None = None
@@ -136,13 +143,14 @@ class HfTokenizer:
                 param="messages",
             )
         try:
-            text = renderer.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=True,
-                tokenize=False,
-                **dict(template_kwargs or {}),
-            )
+            with self._lock:
+                text = renderer.apply_chat_template(
+                    [dict(m) for m in messages],
+                    tools=[dict(t) for t in tools] if tools else None,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **dict(template_kwargs or {}),
+                )
         except Exception as exc:  # Jinja raises TemplateError (and templates raise_exception) on bad input
             raise InvalidRequest(
                 message=f"the chat template rejected the conversation: {exc}", param="messages"

@@ -151,9 +151,13 @@ class SessionService:
         )
 
     def run_turn(self, served: GenerationService, request: ChatRequest, mode: str) -> Iterator[ChatItem]:
-        """The engine-thread job of one turn (on the mode's generator)."""
+        """The engine-thread job of one turn in another mode than the served one (alone, on that mode's service)."""
         generator = self._modes.get(served, mode)
         yield from self._chat.stream(generator, request)
+
+    def turn_job(self, row: GenerationService, request: ChatRequest, emit: Callable[[ChatItem], None]) -> Any:
+        """One turn in the served mode as a decode job over its row's service (beside other requests)."""
+        return self._chat.job(row, request, emit)
 
     def mode_of(self, served: GenerationService, mode: str) -> str:
         return mode if mode and mode not in ("auto", "served") else served.mode

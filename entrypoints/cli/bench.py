@@ -125,9 +125,9 @@ def _prefill(args: argparse.Namespace, bar: ProgressBar) -> int:
 
 def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     from mlx_dspark.application import bootstrap
-    from mlx_dspark.application.batching import batchable
     from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
     from mlx_dspark.application.data import interleaved, load_prompts
+    from mlx_dspark.application.engine import forkable, speculates
     from mlx_dspark.application.modes import bench_runners
     from mlx_dspark.domain.errors import InvalidRequest
 
@@ -135,21 +135,26 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     # N concurrent requests take the first N prompts: mixed classes, not N of the first class.
     prompts = [p.prompt for p in interleaved(load_prompts(args.prompts)).prompts]
     settings, services, model = start_with_model(args, bar.note)
-    backend = bootstrap.batch_backend_factory()(model.target)
-    if backend is None:
+    rows = bootstrap.rows_factory()
+    if rows(model.target, False) is None:
         raise InvalidRequest(message="this target's caches have no batched form (quantized KV or nested caches)")
     requested = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else ["baseline"]
     runners = bench_runners(services, settings, model, requested, bar.note, bar.update)
-    unbatched = [mode for mode, gen in runners.items() if not batchable(gen, backend)]
+    unbatched = [
+        mode
+        for mode, gen in runners.items()
+        if not forkable(gen) or rows(model.target, speculates(gen)) is None
+    ]
     if unbatched:
-        what = "plain decoding on this target" if not backend.speculative else "plain, speculative and auto modes"
+        speculative = rows(model.target, True) is not None
+        what = "plain, speculative and auto modes" if speculative else "plain decoding on this target"
         raise InvalidRequest(
             message=f"--concurrency batches {what}; {', '.join(unbatched)} runs one request at a time",
             param="modes",
         )
     points = run_concurrency_modes(
         runners,
-        backend,
+        rows,
         prompts,
         services.clock,
         levels=levels,

@@ -45,6 +45,7 @@ def main(argv: Sequence[str]) -> int:
     def body() -> int:
         import uvicorn
 
+        from mlx_dspark.application import bootstrap
         from mlx_dspark.entrypoints.http.app import create_app
 
         settings = settings_from(args)
@@ -52,7 +53,7 @@ def main(argv: Sequence[str]) -> int:
         server = settings.server
         if server.host not in LOOPBACK and not server.api_key:
             sys.stderr.write(f"mlx-dspark: warning: serving on {server.host} without --api-key\n")
-        app = create_app(services, settings)
+        app = create_app(bootstrap.build_server(services, settings))
         engine = app.state["ctx"].engine
 
         class Server(uvicorn.Server):  # type: ignore[misc]

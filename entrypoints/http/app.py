@@ -1,8 +1,9 @@
 """The Litestar app: three API dialects on one port over one engine thread, plus /health.
 
-`create_app(services, settings)` wires everything; the engine (and so the model load) starts with the
-app's lifespan. Tests pass services built on fakes. Every route sits behind the admission guard
-(admission.py); unknown routes answer 404 in the OpenAI envelope (Anthropic's for its paths).
+`create_app(server)` mounts the routers over the server face that `bootstrap.build_server` composes; the
+engine (and so the model load) starts with the app's lifespan. Tests compose theirs over fakes. Every route
+sits behind the admission guard (admission.py); unknown routes answer 404 in the OpenAI envelope (Anthropic's
+for its paths).
 """
 
 from __future__ import annotations
@@ -19,12 +20,7 @@ from litestar.exceptions import HTTPException, NotAuthorizedException
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
-from mlx_dspark.application.bootstrap import batch_backend_factory, build_dashboard
-from mlx_dspark.application.chat_service import ChatService
-from mlx_dspark.application.engine import EngineThread
-from mlx_dspark.application.generation import GenerationService
-from mlx_dspark.application.services import Services
-from mlx_dspark.application.settings import Settings
+from mlx_dspark.application.services import Server
 from mlx_dspark.entrypoints.http import (
     admission,
     routes_anthropic,
@@ -89,30 +85,11 @@ def _fallback_handler() -> Any:
     return handle
 
 
-def create_app(services: Services, settings: Settings | None = None) -> Litestar:
-    """The server app.
-
-    Args:
-        services: wired adapters (a fake loader in tests).
-        settings: the settings tree (defaults to services.settings); `settings.server` holds the limits,
-            `settings.dashboard` where the dashboard's sessions, hub and model folders are.
-    """
-    settings = settings or services.settings
-
-    def build() -> GenerationService:
-        from mlx_dspark.application.modes import build_generator
-
-        return build_generator(services, settings)
-
-    dashboard = build_dashboard(services, settings)
-    engine = EngineThread(
-        build,
-        max_queue=settings.server.max_queue,
-        max_batch=settings.server.max_batch,
-        batch_backend=batch_backend_factory(),
-        on_serve=dashboard.served,
-    )
-    ctx = support.HttpContext(engine=engine, chat=ChatService(services.families, settings.server), settings=settings)
+def create_app(server: Server) -> Litestar:
+    """The server app over the composed server face (`bootstrap.build_server`): it mounts the routers and starts
+    the engine (and so the model load) with the app's lifespan. Tests compose theirs over fakes."""
+    settings, engine, dashboard = server.settings, server.engine, server.dashboard
+    ctx = support.HttpContext(engine=engine, chat=server.chat, settings=settings, responses=server.responses)
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -140,7 +117,7 @@ def create_app(services: Services, settings: Settings | None = None) -> Litestar
         cors_config=cors,
         request_max_body_size=None,  # enforced per dialect, so the 413 comes in the dialect's envelope
         exception_handlers={HTTPException: fallback, Exception: fallback},
-        state=State({"ctx": ctx, "dashboard": dashboard, "services": services}),
+        state=State({"ctx": ctx, "dashboard": dashboard, "services": server.services}),
         openapi_config=None,
         logging_config=None,
     )

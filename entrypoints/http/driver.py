@@ -109,7 +109,7 @@ async def drive(request: Request[Any, Any, Any], dialect: Dialect, begin: Begin)
     exchange, creq = parse() if size < OFF_LOOP_BYTES else await anyio.to_thread.run_sync(parse)
     if ctx.engine.ready:  # what the body's size alone proves does not fit is refused before the engine sees it
         ctx.chat.admit(ctx.engine.generator.model, creq)
-    job = ctx.engine.submit(_chat_work(ctx, creq))
+    job = ctx.engine.submit_decode(_chat_work(ctx, creq))
     prepared = await first(job, record, early=(ctx, creq) if exchange.streaming else None)
     if exchange.streaming:
         return sse_response(ctx, dialect, job, exchange, exchange.stream(prepared), record)
@@ -143,9 +143,9 @@ async def count(
     return n
 
 
-def _chat_work(ctx: HttpContext, creq: ChatRequest) -> Callable[[Any], Any]:
+def _chat_work(ctx: HttpContext, creq: ChatRequest) -> Callable[[Any, Any], Any]:
     chat = ctx.chat
-    return lambda generator: chat.stream(generator, creq)
+    return lambda generator, emit: chat.job(generator, creq, emit)
 
 
 async def first(
@@ -154,8 +154,9 @@ async def first(
     """Wait for the turn to be prepared; errors (context overflow, template) surface here as exceptions.
 
     A streaming turn (`early`) queued behind another request does not wait in silence: after
-    `keepalive_s` the same checks run off the engine thread (same errors, same status codes) and the
-    stream starts, so the client gets keep-alives while the job waits in the queue as well as in prefill.
+    `keepalive_s` the same checks run in a worker thread (same errors, same status codes; the tokenizer
+    adapter serialises its calls, so this thread and the engine's never use it at once) and the stream starts,
+    so the client gets keep-alives while the job waits in the queue as well as in prefill.
     """
     try:
         try:
@@ -164,6 +165,7 @@ async def first(
             if early is None:  # pragma: no cover - no timeout without it
                 raise
             ctx, creq = early
+            # Off the engine thread, which may be inside a long forward: the tokenizer serialises its own calls.
             prepared: Prepared = await anyio.to_thread.run_sync(ctx.chat.prepare, ctx.engine.generator.model, creq)
             record.observe(prepared)
             return prepared

@@ -51,20 +51,21 @@ class ResponsesExchange(driver.WireExchange):
         self._seen.append(event)
         if isinstance(event, TurnFinished) and self._creq is not None:
             turn = support.assistant_message(self._seen)
-            self.ctx.remember(self.response_id, (*self._creq.conversation.messages, turn))
+            self.ctx.responses.remember(self.response_id, (*self._creq.conversation.messages, turn))
 
 
 def _begin(ctx: support.HttpContext, body: Any) -> ResponsesExchange:
     wreq = codec.parse(body)
     history: tuple[Message, ...] = ()
     if wreq.previous_response_id:
-        if wreq.previous_response_id not in ctx.responses:
+        known = ctx.responses.recall(wreq.previous_response_id)
+        if known is None:
             raise InvalidRequest(
                 message=f"previous response {quoted(wreq.previous_response_id)} is not known to this server; "
                 "send the whole conversation instead",
                 param="previous_response_id",
             )
-        history = ctx.responses[wreq.previous_response_id]
+        history = known
     return ResponsesExchange(ctx, wreq, history)
 
 

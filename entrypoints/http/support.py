@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +18,7 @@ from litestar.handlers.base import BaseRouteHandler
 from mlx_dspark.adapters.api.common import parse_json_body
 from mlx_dspark.application.chat_service import ChatService
 from mlx_dspark.application.engine import EngineThread
+from mlx_dspark.application.ports import ResponseStore
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain.chat import ChatEvent, Message
 from mlx_dspark.domain.errors import CapacityExceeded, InvalidRequest, ModelUnavailable, Overloaded, quoted
@@ -37,8 +38,7 @@ class HttpContext:
     engine: EngineThread
     chat: ChatService
     settings: Settings
-    responses: OrderedDict[str, tuple[Message, ...]] = attrs.Factory(OrderedDict)  # previous_response_id store
-    responses_limit: int = 64
+    responses: ResponseStore  # previous_response_id turns
     stream_outcomes: Counter[str] = attrs.Factory(Counter)  # streamed answers by outcome, for /metrics
 
     def listed_names(self) -> list[str]:
@@ -60,11 +60,6 @@ class HttpContext:
             raise ModelUnavailable(
                 message=f"model {quoted(name)} is not served here; this server serves {quoted(names[0])}"
             )
-
-    def remember(self, response_id: str, history: tuple[Message, ...]) -> None:
-        self.responses[response_id] = history
-        while len(self.responses) > self.responses_limit:
-            self.responses.popitem(last=False)
 
 
 def context(request: Request[Any, Any, Any]) -> HttpContext:

@@ -136,7 +136,7 @@ def serve_scripted(context_window: int, **flags: object) -> Iterator[ScriptedSer
     services = bootstrap.build(
         settings, loader=loader, telemetry=RecordingTelemetrySink(), clock=FakeClock(), calibration=object()
     )
-    recorder = RecordingApp(create_app(services, settings))  # type: ignore[arg-type]
+    recorder = RecordingApp(create_app(bootstrap.build_server(services, settings)))  # type: ignore[arg-type]
     for base, _ in _serve(recorder):
         yield ScriptedServer(base_url=base, port=int(base.rsplit(":", 1)[1]), loader=loader, recorder=recorder)
 

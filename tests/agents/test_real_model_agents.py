@@ -42,7 +42,7 @@ def real_server() -> Iterator[tuple[int, RecordingApp]]:
     # Codex sends no max_output_tokens: the server's own cap keeps every answer short.
     flags = {"model": "default", "mode": "baseline", "max_tokens_cap": ANSWER_TOKENS}
     settings = load_settings(flags, environ={})
-    recorder = RecordingApp(create_app(bootstrap.build(settings), settings))  # type: ignore[arg-type]
+    recorder = RecordingApp(create_app(bootstrap.build_server(bootstrap.build(settings), settings)))
     for base, _ in _serve(recorder):
         yield int(base.rsplit(":", 1)[1]), recorder
 

@@ -1,4 +1,4 @@
-"""pytest-benchmark: aggregate plain decoding of 1, 2, 4 and 8 concurrent requests through the batch scheduler,
+"""pytest-benchmark: aggregate plain decoding of 1, 2, 4 and 8 concurrent requests through the step engine,
 in one group so the table shows each width's time relative to the others (same run, same model).
 
     .venv/bin/pytest tests/benchmarks/test_batched_decode.py --benchmark-enable
@@ -13,14 +13,12 @@ import functools
 
 import pytest
 
-from mlx_dspark.adapters.mlx.batched_target import batch_backend
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.batching import BatchScheduler
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.domain.model import LoadedModel
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.fakes.tiny_models import tiny_model
-from tests.integration.mlx.test_batching import IdTokenizer, Job, push
+from tests.integration.mlx.test_batching import IdTokenizer, Job, make_engine
 
 pytestmark = [pytest.mark.benchmark_suite]
 
@@ -48,11 +46,9 @@ def solo(i: int) -> tuple[int, ...]:
 def run(n: int) -> list[Job]:
     gen = service()
     gen.model.target.reset(0)
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
     jobs = [Job(r) for r in REQUESTS[:n]]
     queued = iter(jobs[1:])
-    BatchScheduler(backend, gen, max_batch=n, push=push).run(jobs[0], lambda: next(queued, None))
+    make_engine(gen, n).run(jobs[0], lambda: next(queued, None))
     return jobs
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from mlx_dspark.application import bootstrap
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.drafting.block import DraftContext
 from mlx_dspark.domain.events import TokensCommitted

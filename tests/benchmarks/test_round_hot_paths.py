@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.budget import plan_commit
 from mlx_dspark.domain.costmodel.acceptance import AcceptanceStats, EwmaAcceptance
 from mlx_dspark.domain.costmodel.curves import CostCurves, best_cap

@@ -76,7 +76,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
         flags = {"model": "default", "mode": "baseline", "max_draft": "4", **dashboard_flags(tmp, hub)}
         settings = load_settings(flags, environ={})
         services = bootstrap.build(settings)
-        server = create_app(services, settings)
+        server = create_app(bootstrap.build_server(services, settings))
         for base, _ in _serve(server):
             yield App(base_url=base, hub=hub, engine=server.state.ctx.engine)
 

@@ -114,7 +114,8 @@ class _Reuse:
 @pytest.fixture
 def base_url(services: bootstrap.Services, model: LoadedModel) -> Iterator[str]:
     settings = _settings(mode="lookup")
-    app = create_app(bootstrap.build(settings, loader=_Reuse(services.loader, model)), settings)
+    reusing = bootstrap.build(settings, loader=_Reuse(services.loader, model))
+    app = create_app(bootstrap.build_server(reusing, settings))
     for base, _ in _serve(app, wait_s=600):
         yield base
 

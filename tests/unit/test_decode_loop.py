@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.events import Finished
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 from tests.decoding import collect

@@ -12,11 +12,23 @@ import pytest
 
 from mlx_dspark.application.engine import EngineDown, EngineThread
 from mlx_dspark.domain.errors import Overloaded
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+
+
+def _service(name: str) -> Any:
+    """What the engine reads of a service that only runs iterator jobs (its step engine stays idle)."""
+    return SimpleNamespace(
+        model=SimpleNamespace(name=name, target=object()),
+        mode="baseline",
+        prefix_cache=None,
+        selector=None,
+        telemetry=RecordingTelemetrySink(),
+        clock=FakeClock(),
+    )
 
 
 def _engine(max_queue: int = 2) -> EngineThread:
-    # What the engine reads of its service.
-    loaded = SimpleNamespace(model=SimpleNamespace(name="fake"), mode="baseline", prefix_cache=None)
+    loaded = _service("fake")
     engine = EngineThread(lambda: loaded, max_queue=max_queue)  # type: ignore[arg-type, return-value]
     engine.start()
     assert engine.wait_ready(5)
@@ -112,8 +124,7 @@ def test_stopping_answers_every_queued_job_in_both_lanes() -> None:
 
 
 def test_on_serve_sees_each_service_on_the_engine_thread_before_it_is_served_and_cannot_stop_it() -> None:
-    first = SimpleNamespace(model=SimpleNamespace(name="first"), mode="baseline", prefix_cache=None)
-    second = SimpleNamespace(model=SimpleNamespace(name="second"), mode="baseline", prefix_cache=None)
+    first, second = _service("first"), _service("second")
     seen: list[tuple[str, str, bool]] = []
 
     def on_serve(generator: Any) -> None:
@@ -132,3 +143,31 @@ def test_on_serve_sees_each_service_on_the_engine_thread_before_it_is_served_and
     engine.stop(5)
     assert seen == [("first", "mlx-dspark-engine", False), ("second", "mlx-dspark-engine", False)]
     assert engine.generator is second  # a failed measurement does not stop the switch
+
+
+def test_a_consumer_cancelled_with_items_queued_ahead_stops_at_the_next_item() -> None:
+    # Every item already queued: taking one never waits, yet the cancellation of the consumer's task (a client
+    # that hung up) must land at the next item, not after the whole job.
+    from mlx_dspark.application.engine import EngineJob, JobEnded, JobItem
+
+    async def main() -> int:
+        job: EngineJob[int] = EngineJob(asyncio.get_running_loop())
+        for i in range(10_000):
+            job.push(JobItem(i))
+        job.push(JobEnded())
+        await asyncio.sleep(0.05)  # the pushes land in the queue
+        taken = 0
+
+        async def consume() -> None:
+            nonlocal taken
+            async for _ in job:
+                taken += 1
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return taken
+
+    assert asyncio.run(main()) < 10

@@ -137,7 +137,7 @@ def test_a_cold_request_neither_reuses_nor_remembers():
 
 
 def test_long_prefills_report_progress(monkeypatch):
-    import mlx_dspark.application.prefill as prefill_module
+    import mlx_dspark.domain.decoder as prefill_module
 
     monkeypatch.setattr(prefill_module, "PROGRESS_EVERY", 10)
     gen, _target, _cache, _, telemetry = make()

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from mlx_dspark.domain.verification.distribution import distribution

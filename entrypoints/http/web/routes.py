@@ -404,8 +404,11 @@ async def chat(request: Request[Any, Any, Any], session_id: str) -> Stream:
     creq = await asyncio.to_thread(sessions.begin_turn, session_id, _text(body, "content"), options)
     served = ctx.engine.generator.mode if ctx.engine.ready else None
     mode = sessions.mode_of(ctx.engine.generator, options.mode) if ctx.engine.ready else options.mode
-    # Another mode than the served one runs alone (batched rows decode plainly with the served mode).
-    job = ctx.engine.submit(lambda g: sessions.run_turn(g, creq, options.mode), exclusive=mode != served)
+    # The served mode's turn decodes beside the other requests; another mode's runs alone on its own service.
+    if mode == served:
+        job = ctx.engine.submit_decode(lambda g, emit: sessions.turn_job(g, creq, emit))
+    else:
+        job = ctx.engine.submit(lambda g: sessions.run_turn(g, creq, options.mode), exclusive=True)
     started = time.perf_counter()
     reply: dict[str, Any] = {"text": [], "thinking": [], "usage": {}, "finish": ""}
 

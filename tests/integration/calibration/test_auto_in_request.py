@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.drafting.selection import PLAIN, Selection

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory, measure_and_choose
 from mlx_dspark.application.calibration import CalibrationPlan
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap, MeasuredCap
 from mlx_dspark.domain.events import CapChanged, SourceSwitched, TokensCommitted

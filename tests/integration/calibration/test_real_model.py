@@ -10,7 +10,7 @@ import pytest
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.auto_mode import measure_and_choose
 from mlx_dspark.application.calibration import CalibrationPlan, curves_for
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule

@@ -16,7 +16,7 @@ import pytest
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource

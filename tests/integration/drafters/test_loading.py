@@ -321,7 +321,7 @@ class _Proposals:
 
 
 def _proposals(target: Any, source: Any, prompt: list[int]) -> list[tuple[int, ...]]:
-    from mlx_dspark.application.decode_loop import decode
+    from mlx_dspark.application.engine import decode
     from mlx_dspark.domain.tokens import SamplingParams, StopRule
     from tests.fakes.clock import FakeClock
 

@@ -19,7 +19,7 @@ import pytest
 
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.events import DecodeEvent, RoundFinished, TokensCommitted

@@ -81,7 +81,7 @@ def make_server(
     services = bootstrap.build(
         settings, loader=loader, telemetry=RecordingTelemetrySink(), clock=FakeClock(), calibration=object()
     )
-    app = create_app(services, settings)
+    app = create_app(bootstrap.build_server(services, settings))
     for base, _ in _serve(app):
         yield LiveServer(base_url=base, loader=loader, api_key=api_key, app=app)
 

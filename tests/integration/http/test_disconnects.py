@@ -49,14 +49,17 @@ def jobs(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any
     """Every job the HTTP layer submits to the engine, to see when a disconnect has cancelled one."""
     engine = live.app.state.ctx.engine
     submitted: list[Any] = []
-    submit = engine.submit
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        job = submit(*args, **kwargs)
-        submitted.append(job)
-        return job
+    def spying(submit: Any) -> Any:
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            job = submit(*args, **kwargs)
+            submitted.append(job)
+            return job
 
-    monkeypatch.setattr(engine, "submit", spy)
+        return spy
+
+    monkeypatch.setattr(engine, "submit", spying(engine.submit))
+    monkeypatch.setattr(engine, "submit_decode", spying(engine.submit_decode))
     yield submitted
 
 

@@ -21,7 +21,7 @@ USER = [{"role": "user", "content": "Say hi."}]
 def base_url() -> Iterator[str]:
     bootstrap.runtime().prepare()
     settings = load_settings({"model": "default", "mode": "baseline"}, environ={})
-    app = create_app(bootstrap.build(settings), settings)
+    app = create_app(bootstrap.build_server(bootstrap.build(settings), settings))
     for base, _ in _serve(app):
         yield base
 

@@ -4,29 +4,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
-from mlx_dspark.application import engine as engine_module
+from mlx_dspark.application.engine import Engine
 from tests.integration.http.conftest import LiveServer, make_server
 
 
 @pytest.fixture
 def crashing(monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveServer]:
     """A live server whose serving loop fails once, in the middle of the first generation request."""
-    original = engine_module.EngineThread._run
+    original = Engine.step
     failed = []
 
-    def run(self: engine_module.EngineThread, job: Any, generator: Any, *, between: bool = True) -> None:
-        if not failed and not job.exclusive and between:
-            failed.append(job)
-            self._running = job  # in flight, as far as the supervisor can tell
+    def step(self: Engine) -> None:
+        if not failed:
+            failed.append(True)
             raise RuntimeError("injected serving-loop failure")
-        original(self, job, generator, between=between)
+        original(self)
 
-    monkeypatch.setattr(engine_module.EngineThread, "_run", run)
+    monkeypatch.setattr(Engine, "step", step)
     yield from make_server()
 
 

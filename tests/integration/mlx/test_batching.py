@@ -17,10 +17,26 @@ from typing import Any
 import pytest
 
 from mlx_dspark.adapters.mlx.batched_target import batch_backend
+from mlx_dspark.adapters.mlx.rows import mlx_rows
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.batching import TELEMETRY_ID, BatchScheduler
-from mlx_dspark.application.engine import EngineThread
-from mlx_dspark.application.generation import GenerationDone, GenerationRequest, GenerationService, TextChunk
+from mlx_dspark.application.engine import (
+    TELEMETRY_ID,
+    Engine,
+    EngineThread,
+    JobEvent,
+    JobFailed,
+    JobItem,
+    StepJob,
+    forkable,
+    speculates,
+)
+from mlx_dspark.application.generation import (
+    GenerationDone,
+    GenerationJob,
+    GenerationRequest,
+    GenerationService,
+    TextChunk,
+)
 from mlx_dspark.domain.events import BatchStepped
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams
@@ -72,7 +88,7 @@ def requests(n: int, *, sampled: bool, seed: int = 0) -> list[GenerationRequest]
 
 
 class Job:
-    """The engine job shape the scheduler needs: work, cancelled, cancel; collects what is pushed."""
+    """The task shape the step engine needs (start, push, cancelled, cancel); collects what is pushed."""
 
     def __init__(self, request: GenerationRequest, cancel_after: int | None = None) -> None:
         self.request = request
@@ -82,8 +98,19 @@ class Job:
         self.ended: str | None = None
         self.error: BaseException | None = None
 
-    def work(self, generator: GenerationService) -> Any:
-        return generator.stream(self.request)
+    def start(self, service: GenerationService, emit: Callable[[Any], None]) -> StepJob:
+        return GenerationJob(service, self.request, emit)
+
+    def push(self, event: JobEvent) -> None:
+        if isinstance(event, JobItem):
+            self.items.append(event.value)
+            if self.cancel_after is not None and len(self.items) >= self.cancel_after:
+                self.cancel()
+        elif isinstance(event, JobFailed):
+            self.error = event.error
+            self.ended = "error"
+        else:
+            self.ended = "end"
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -96,23 +123,17 @@ class Job:
         return done[0].result if done else None
 
 
-def push(job: Job, kind: str, value: Any) -> None:
-    if kind == "item":
-        job.items.append(value)
-        if job.cancel_after is not None and len(job.items) >= job.cancel_after:
-            job.cancel()
-    elif kind == "error":
-        job.error = value
-        job.ended = kind
-    else:
-        job.ended = kind
+def make_engine(gen: GenerationService, max_batch: int) -> Engine:
+    """The server's step engine over the service's batched rows."""
+    assert forkable(gen)
+    rows = mlx_rows(gen.model.target, speculates(gen))
+    assert rows is not None
+    return Engine(rows, gen, max_batch=max_batch)
 
 
-def run_batched(gen: GenerationService, jobs: list[Job], *, max_batch: int, join_every: int) -> BatchScheduler:
+def run_batched(gen: GenerationService, jobs: list[Job], *, max_batch: int, join_every: int) -> Engine:
     """Jobs join one at a time, `join_every` take() calls apart (so later ones arrive mid-flight)."""
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
-    scheduler = BatchScheduler(backend, gen, max_batch=max_batch, push=push)
+    scheduler = make_engine(gen, max_batch)
     waiting = list(jobs[1:])
     calls = 0
 
@@ -176,7 +197,9 @@ def test_a_lone_request_takes_the_serial_path_with_its_prefix_reuse() -> None:
     first = GenerationRequest(prompt=(30, 40, 50, 60, 70), max_tokens=8)
     jobs = [Job(first)]
     scheduler = run_batched(gen, jobs, max_batch=8, join_every=1)
-    assert scheduler.steps == 0 and scheduler.migrations == 0
+    # A batch of one on the same step path, its row the serial target (the batch itself never held a row).
+    assert scheduler.steps > 0 and scheduler.widest == 1 and scheduler.migrations == 0
+    assert scheduler.backend.batch.width == 0 and gen.model.target.cached_tokens > len(first.prompt)  # type: ignore[attr-defined]
     follow = GenerationRequest(prompt=first.prompt + jobs[0].tokens() + (90,), max_tokens=8)
     again = Job(follow)
     run_batched(gen, [again], max_batch=8, join_every=1)
@@ -213,9 +236,7 @@ def test_a_long_prompt_prefills_in_chunks_while_other_rows_decode() -> None:
     jobs = [Job(short), Job(long)]
     gen = service("llama", chunk=4)
     steps_before_long_joined: list[int] = []
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
-    scheduler = BatchScheduler(backend, gen, max_batch=4, push=push)
+    scheduler = make_engine(gen, 4)
     pending = [jobs[1]]
 
     def take() -> Job | None:
@@ -246,18 +267,17 @@ def test_a_failing_row_does_not_disturb_the_others() -> None:
 def test_sliding_window_and_recurrent_targets_batch_plain_decoding_only(family: str) -> None:
     # A ring or a recurrent state cannot roll one row back, so speculative modes over them are served one at a
     # time.
-    from mlx_dspark.application.batching import batchable
     from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 
     backend = batch_backend(MlxTargetModel(_model(family)))
     assert backend is not None and not backend.speculative
     assert batch_backend(MlxTargetModel(_model("llama"))).speculative  # type: ignore[union-attr]
     plain = service(family)
-    assert batchable(plain, backend)
+    assert mlx_rows(plain.model.target, speculates(plain)) is not None
     drafting = GenerationService(
         plain.model, source=LookupDraftSource(block=3), mode="lookup", clock=FakeClock(), telemetry=plain.telemetry
     )
-    assert batchable(drafting) and not batchable(drafting, backend)
+    assert forkable(drafting) and mlx_rows(drafting.model.target, speculates(drafting)) is None
     backend.feed(0, [10, 11, 12])
     first = None
     while first is None:  # the prompt's body, then its last token
@@ -275,12 +295,12 @@ def engine_streams(
 ) -> tuple[list[tuple[int, ...]], Any]:
     """The token ids each request streams when all are submitted at once to a batching engine thread, and the
     engine's batcher (for its counters)."""
-    engine = EngineThread(make, max_batch=4, batch_backend=batch_backend)
+    engine = EngineThread(make, max_batch=4, rows=mlx_rows)
     engine.start()
     assert engine.wait_ready(30)
 
     async def one(req: GenerationRequest) -> tuple[int, ...]:
-        job = engine.submit(lambda g: g.stream(req))
+        job = engine.submit_decode(lambda g, emit: GenerationJob(g, req, emit))
         return tuple(t for item in [i async for i in job] if isinstance(item, TextChunk) for t in item.token_ids)
 
     async def main() -> list[tuple[int, ...]]:
@@ -290,7 +310,7 @@ def engine_streams(
         outs = asyncio.run(main())
     finally:
         engine.stop(timeout=10)
-    return outs, engine._batcher
+    return outs, engine.engine
 
 
 def test_the_engine_thread_batches_concurrent_jobs() -> None:
@@ -304,10 +324,8 @@ def test_concurrency_bench_measures_each_level_against_one_request() -> None:
     from mlx_dspark.application.bench_concurrency import run_concurrency_modes
 
     gen = service("llama")
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
     points = run_concurrency_modes(
-        {gen.mode: gen}, backend, ["abcdefgh", "hello there"], FakeClock(), levels=(1, 3), max_tokens=6
+        {gen.mode: gen}, mlx_rows, ["abcdefgh", "hello there"], FakeClock(), levels=(1, 3), max_tokens=6
     )
     assert [p.concurrency for p in points] == [1, 3]
     assert [p.widest_batch for p in points] == [1, 3]
@@ -329,7 +347,7 @@ def test_max_batch_is_a_setting_and_a_serve_flag() -> None:
 
 def test_prompts_split_by_prefill_progress_still_equal_solo_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Progress every 5 tokens: the decode loop hands batched rows their prompts in pieces (extend, then prefill).
-    from mlx_dspark.application import prefill as prefill_mod
+    from mlx_dspark.domain import decoder as prefill_mod
 
     monkeypatch.setattr(prefill_mod, "PROGRESS_EVERY", 5)
     reqs = requests(4, sampled=False, seed=11)
@@ -412,39 +430,45 @@ def test_batched_rows_with_a_prefix_cache_still_equal_solo_decoding() -> None:
 
 def test_an_exclusive_job_waits_for_the_batch_and_runs_alone_on_the_engines_service() -> None:
     reqs = requests(3, sampled=False, seed=13)
-    engine = EngineThread(lambda: service("llama"), max_batch=4, batch_backend=batch_backend)
+    engine = EngineThread(lambda: service("llama"), max_batch=4, rows=mlx_rows)
     engine.start()
     assert engine.wait_ready(30)
     log: list[Any] = []
 
     def plain(i: int) -> Any:
-        def work(g: GenerationService) -> Any:
-            yield from g.stream(reqs[i])
-            log.append(f"plain{i}")
+        def work(g: GenerationService, emit: Callable[[Any], None]) -> StepJob:
+            def out(item: Any) -> None:
+                if isinstance(item, GenerationDone):
+                    log.append(f"plain{i}")
+                emit(item)
+
+            return GenerationJob(g, reqs[i], out)
 
         return work
 
     def exclusive(g: GenerationService) -> Any:
-        assert engine._batcher is not None
-        log.append(("exclusive", g is engine.generator, engine._batcher.active))
+        assert engine.engine is not None
+        log.append(("exclusive", g is engine.generator, engine.engine.active))
         yield g.generate(reqs[0]).token_ids
 
     async def collect(job: Any) -> list[Any]:
         return [i async for i in job]
 
     async def main() -> tuple[list[list[Any]], list[Any], list[Any]]:
-        first = [engine.submit(plain(i)) for i in range(3)]
+        first = [engine.submit_decode(plain(i)) for i in range(3)]
         alone = engine.submit(exclusive, exclusive=True)
-        after = engine.submit(plain(1))
+        after = engine.submit_decode(plain(1))
         outs = await asyncio.gather(*(collect(j) for j in first))
         return outs, await collect(alone), await collect(after)
 
     try:
         outs, alone, after = asyncio.run(main())
+        widest = engine.engine.widest if engine.engine is not None else 0
     finally:
         engine.stop(timeout=10)
-    # The rows queued before it finished first; it ran on the engine's own service with no row running.
-    assert sorted(log[:3]) == ["plain0", "plain1", "plain2"]
+    # The rows queued before it finished first (decoded together); it ran on the engine's own service with no
+    # row running; the job after it waited for it.
+    assert sorted(log[:3]) == ["plain0", "plain1", "plain2"] and widest > 1
     assert log[3:] == [("exclusive", True, 0), "plain1"]
     assert alone == [solo("llama", reqs[0])[0]]
     tokens = [tuple(t for i in out if isinstance(i, TextChunk) for t in i.token_ids) for out in outs]
@@ -453,7 +477,7 @@ def test_an_exclusive_job_waits_for_the_batch_and_runs_alone_on_the_engines_serv
 
 
 def test_a_switch_through_a_batching_engine_serves_the_new_service_in_the_batch() -> None:
-    engine = EngineThread(lambda: service("llama"), max_batch=4, batch_backend=batch_backend)
+    engine = EngineThread(lambda: service("llama"), max_batch=4, rows=mlx_rows)
     engine.start()
     assert engine.wait_ready(30)
     replacement = service("qwen3")
@@ -461,7 +485,7 @@ def test_a_switch_through_a_batching_engine_serves_the_new_service_in_the_batch(
 
     async def main() -> list[Any]:
         await engine.switch(lambda _current: replacement).next()
-        return [i async for i in engine.submit(lambda g: g.stream(req))]
+        return [i async for i in engine.submit_decode(lambda g, emit: GenerationJob(g, req, emit))]
 
     try:
         out = asyncio.run(main())
@@ -475,7 +499,7 @@ def test_a_joining_rows_prefill_progress_grows_as_the_scheduler_prefills_its_chu
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Progress every 4 tokens, chunks of 2: each piece of the joining row's prompt takes two ticks.
-    from mlx_dspark.application import prefill as prefill_mod
+    from mlx_dspark.domain import decoder as prefill_mod
     from mlx_dspark.domain.events import PrefillProgress, TokensCommitted
 
     monkeypatch.setattr(prefill_mod, "PROGRESS_EVERY", 4)
@@ -484,9 +508,7 @@ def test_a_joining_rows_prefill_progress_grows_as_the_scheduler_prefills_its_chu
     second = GenerationRequest(prompt=tuple(range(8, 8 + 30)), max_tokens=3, request_id="second")
     assert len(solo("llama", first)[0]) == 40  # the first row decodes all through the second one's prefill
     jobs = [Job(first), Job(second)]
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
-    scheduler = BatchScheduler(backend, gen, max_batch=4, push=push)
+    scheduler = make_engine(gen, 4)
     pending = [jobs[1]]
 
     def take() -> Job | None:

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from mlx_dspark.adapters.mlx import batched_target
-from mlx_dspark.adapters.mlx.batched_target import batch_backend
 from mlx_dspark.adapters.mlx.drafters import load_drafter
+from mlx_dspark.adapters.mlx.rows import mlx_rows
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.batching import TELEMETRY_ID, BatchScheduler, batchable
+from mlx_dspark.application.engine import TELEMETRY_ID, Engine, forkable
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap, MeasuredCap
@@ -34,7 +34,7 @@ from mlx_dspark.domain.tokens import SamplingParams
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.integration.drafters import helpers
 from tests.integration.mlx import test_batching as plain_rig
-from tests.integration.mlx.test_batching import IdTokenizer, Job, engine_streams, push
+from tests.integration.mlx.test_batching import IdTokenizer, Job, engine_streams, make_engine
 
 VOCAB = helpers.VOCAB
 BLOCK = 4
@@ -102,8 +102,8 @@ def solo(
     return service(kind, policy, threshold=threshold).generate(request)
 
 
-def run_batched(gen: GenerationService, jobs: list[Job], *, join_every: int, max_batch: int = 8) -> BatchScheduler:
-    assert batchable(gen)
+def run_batched(gen: GenerationService, jobs: list[Job], *, join_every: int, max_batch: int = 8) -> Engine:
+    assert forkable(gen)
     return plain_rig.run_batched(gen, jobs, max_batch=max_batch, join_every=join_every)
 
 
@@ -221,7 +221,7 @@ def test_auto_mode_rows_batch_and_each_equals_its_solo_run(sampled: bool) -> Non
     reqs = requests(3, sampled=sampled, seed=70 + sampled, max_tokens=24)
     jobs = [Job(r) for r in reqs]
     gen = auto_service()
-    assert batchable(gen)
+    assert forkable(gen)
     scheduler = run_batched(gen, jobs, join_every=1)
     assert scheduler.widest == 3 and scheduler.drafting_steps > 0
     for job, req in zip(jobs, reqs):
@@ -298,12 +298,10 @@ def test_holes_are_squeezed_out_and_rows_still_equal_solo(monkeypatch: pytest.Mo
     reqs = requests(3, sampled=True, seed=5, max_tokens=40)
     jobs = [Job(r) for r in reqs]
     gen = service("dspark")
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
-    scheduler = BatchScheduler(backend, gen, max_batch=4, push=push)
+    scheduler = make_engine(gen, 4)
     pending = list(jobs[1:])
     scheduler.run(jobs[0], lambda: pending.pop(0) if pending else None)
-    assert backend.compactions >= 1
+    assert scheduler.backend.stats["compactions"] >= 1
     for job, req in zip(jobs, reqs):
         assert_like_solo(job, solo("dspark", req))
 
@@ -370,7 +368,7 @@ def test_the_width_decision_comes_from_the_curves_and_is_reported(curves: CostCu
     else:
         assert wide[0].speculate and wide[0].cap > 0
         assert drafting > len(steps) // 2
-    assert scheduler.decisions[-1].width >= 1
+    assert scheduler.plan.decisions[-1].width >= 1
     for job, req in zip(jobs, reqs):  # greedy: lossless whatever the decision
         assert job.ended == "end", job.error
         assert job.tokens() == solo("dspark", req, measured).token_ids
@@ -390,7 +388,7 @@ def test_rows_that_are_offered_a_cap_and_draft_nothing_count_as_misses_in_the_ba
     plans = [e for _, e in gen.telemetry.events if isinstance(e, BatchSpeculation) and e.width > 1]  # type: ignore[attr-defined]
     assert plans[0].speculate  # the prior first: drafting looks worth it on a flat curve
     assert not plans[-1].speculate  # then the rows' empty rounds taught it otherwise
-    assert scheduler._acceptance.estimate()[0] < 0.3  # from the 0.7 prior
+    assert scheduler.plan.acceptance.estimate()[0] < 0.3  # from the 0.7 prior
     for job in jobs:
         assert job.ended == "end", job.error
         assert job.result().drafted == 0
@@ -402,7 +400,7 @@ def test_probes_back_off_while_they_keep_speculation_off() -> None:
     def measured() -> CapPolicy:
         return MeasuredCap(curves=KNEE, max_cap=BLOCK)
 
-    reqs = requests(3, sampled=False, seed=12, max_tokens=120)
+    reqs = requests(3, sampled=False, seed=12, max_tokens=160)  # 16 + 32 + 64 off ticks between three probes
     jobs = [Job(r) for r in reqs]
     gen = service("dspark", measured)
     run_batched(gen, jobs, join_every=1, max_batch=3)
@@ -460,11 +458,9 @@ def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_leve
 
     spec = service("dspark")
     plain = GenerationService(spec.model, clock=FakeClock(), telemetry=RecordingTelemetrySink())
-    backend = batch_backend(spec.model.target)
-    assert backend is not None
     modes = {"baseline": plain, "dspark": spec}
     prompts = ["abcabcabc", "hello hello"]
-    points = run_concurrency_modes(modes, backend, prompts, FakeClock(), levels=(1, 3, 2), max_tokens=8, trials=2)
+    points = run_concurrency_modes(modes, mlx_rows, prompts, FakeClock(), levels=(1, 3, 2), max_tokens=8, trials=2)
     assert [(p.mode, p.concurrency) for p in points] == [(m, n) for n in (1, 2, 3) for m in modes]
     assert all(p.trials == 2 and p.full_tokens_per_second > 0 for p in points)
     # While every request decodes the rate is at least the rate that also counts the tail after the first ends.

@@ -1,7 +1,7 @@
 """The engine supervises itself: a failure of its serving loop ends the in-flight jobs at once with a clear error,
 and the engine serves on (the model still loaded), reloading the model when failures repeat.
 
-The failure is injected into the batch scheduler's tick (a stand-in for any bug there); the requests after it
+The failure is injected into the step engine's step (a stand-in for any bug there); the requests after it
 must still equal their solo runs, so the restart left no half-written state behind.
 """
 
@@ -12,39 +12,38 @@ from typing import Any
 
 import pytest
 
-from mlx_dspark.adapters.mlx.batched_target import batch_backend
-from mlx_dspark.application import batching
-from mlx_dspark.application.engine import EngineRestarted, EngineThread
-from mlx_dspark.application.generation import GenerationRequest, GenerationService, TextChunk
+from mlx_dspark.adapters.mlx.rows import mlx_rows
+from mlx_dspark.application.engine import Engine, EngineRestarted, EngineThread
+from mlx_dspark.application.generation import GenerationJob, GenerationRequest, GenerationService, TextChunk
 from tests.integration.mlx.test_batching import requests, service, solo
 
 
 class Bomb:
-    """Makes the scheduler's tick raise on its `at`-th call, `times` times in a row."""
+    """Makes the engine's step raise on its `at`-th call, `times` times in a row."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int, times: int = 1) -> None:
         self.calls = 0
         self.at, self.times = at, times
-        original = batching.BatchScheduler._tick
+        original = Engine.step
 
-        def tick(scheduler: batching.BatchScheduler) -> None:
+        def step(engine: Engine) -> None:
             self.calls += 1
             if self.at <= self.calls < self.at + self.times:
                 raise RuntimeError(f"injected failure {self.calls}")
-            original(scheduler)
+            original(engine)
 
-        monkeypatch.setattr(batching.BatchScheduler, "_tick", tick)
+        monkeypatch.setattr(Engine, "step", step)
 
 
 def _engine(factory: Any) -> EngineThread:
-    engine = EngineThread(factory, max_batch=4, batch_backend=batch_backend)
+    engine = EngineThread(factory, max_batch=4, rows=mlx_rows)
     engine.start()
     assert engine.wait_ready(30)
     return engine
 
 
 async def _outcome(engine: EngineThread, req: GenerationRequest) -> tuple[int, ...] | BaseException:
-    job = engine.submit(lambda g: g.stream(req))
+    job = engine.submit_decode(lambda g, emit: GenerationJob(g, req, emit))
     try:
         return tuple(t for item in [i async for i in job] if isinstance(item, TextChunk) for t in item.token_ids)
     except Exception as exc:

@@ -17,10 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_dspark.adapters.mlx.batched_target import batch_backend
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.batching import BatchScheduler
+from mlx_dspark.application.engine import Engine
 from mlx_dspark.application.generation import GenerationRequest, GenerationService, TextChunk
 from mlx_dspark.application.prefix_cache import PrefixCache
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
@@ -31,7 +30,7 @@ from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import SamplingParams
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.integration.mlx import test_batching_speculative as spec_rig
-from tests.integration.mlx.test_batching import IdTokenizer, Job, push
+from tests.integration.mlx.test_batching import IdTokenizer, Job, make_engine
 
 MODES = ("baseline", "lookup", "dspark", "dflash", "auto")
 WINDOW = 64  # small, so some prompts do not fit and some requests run into it
@@ -95,11 +94,9 @@ def a_request(draw: st.DrawFn, mode: str) -> tuple[GenerationRequest, int, int |
     return request, arrives, cancel_after
 
 
-def run_schedule(gen: GenerationService, arrivals: list[tuple[int, Job]], max_batch: int) -> BatchScheduler:
-    """Jobs join at their ticks (counted by the scheduler's `between` hook); an idle engine starts the next one."""
-    backend = batch_backend(gen.model.target)
-    assert backend is not None
-    scheduler = BatchScheduler(backend, gen, max_batch=max_batch, push=push)
+def run_schedule(gen: GenerationService, arrivals: list[tuple[int, Job]], max_batch: int) -> Engine:
+    """Jobs join at their steps (counted by the engine's `between` hook); an idle engine starts the next one."""
+    scheduler = make_engine(gen, max_batch)
     waiting = sorted(arrivals, key=lambda a: a[0])
     tick = 0
 
@@ -114,7 +111,7 @@ def run_schedule(gen: GenerationService, arrivals: list[tuple[int, Job]], max_ba
 
     while waiting:
         _, first = waiting.pop(0)
-        scheduler.run(first, take, between=between)  # raises if the scheduler itself fails
+        scheduler.run(first, take, between=between)  # raises if the engine itself fails
     return scheduler
 
 

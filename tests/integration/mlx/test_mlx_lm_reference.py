@@ -14,7 +14,7 @@ import pytest
 from mlx_dspark.adapters.mlx.mlx_lm_reference import MlxLmReference, reference_generate
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application import bootstrap
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource

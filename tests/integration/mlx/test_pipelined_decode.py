@@ -14,7 +14,7 @@ import random
 import pytest
 
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule

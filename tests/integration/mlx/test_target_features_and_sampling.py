@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule

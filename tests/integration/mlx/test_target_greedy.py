@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.events import Finished, TokensCommitted
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule

@@ -18,7 +18,7 @@ import pytest
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
-from mlx_dspark.application.decode_loop import decode
+from mlx_dspark.application.engine import decode
 from mlx_dspark.application.ports import TrainingTarget
 from mlx_dspark.application.training import TrainPlan
 from mlx_dspark.domain.events import TokensCommitted

@@ -135,7 +135,7 @@ def make_web_server(
         settings = load_settings({k: v for k, v in flags.items() if v is not None}, environ={})
         recorder = RecordingTelemetrySink()
         services = bootstrap.build(settings, loader=loader, telemetry=recorder, clock=FakeClock(), calibration=object())
-        app = create_app(services, settings)
+        app = create_app(bootstrap.build_server(services, settings))
         for base, _ in _serve(app):
             yield WebServer(base, hub, recorder, tmp / "sessions.sqlite3", hf_cache, api_key)
 

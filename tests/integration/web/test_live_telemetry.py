@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_dspark.application import bootstrap
-from mlx_dspark.application.prefill import PROGRESS_EVERY
 from mlx_dspark.application.settings import load_settings
+from mlx_dspark.domain.decoder import PROGRESS_EVERY
 from mlx_dspark.entrypoints.http.app import create_app
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
 from tests.fakes.hub import serve
@@ -171,7 +171,7 @@ def tiny_mlx_server(tmp: Path) -> Iterator[tuple[str, Any]]:
             clock=FakeClock(),
             calibration=object(),
         )
-        app = create_app(services, settings)
+        app = create_app(bootstrap.build_server(services, settings))
         for base, _ in _serve(app):
             yield base, app.state.ctx.engine
 

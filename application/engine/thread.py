@@ -1,12 +1,14 @@
-"""The engine: one thread owns all MLX work; async callers submit jobs and read their results from queues.
+"""The engine thread: one thread owns all MLX work; async callers submit jobs and read their events from queues.
 
-HTTP handlers never touch the model. Each job is a function of the engine's GenerationService returning an
-iterator; its items travel to the caller's asyncio queue through `loop.call_soon_threadsafe`. Cancelling a
-job (client disconnect) closes its iterator at the next item, which stops the decode loop.
+HTTP handlers never touch the model. A decode job (`submit_decode`) is a request's StepJob, stepped by the step
+engine (`step.py`) beside every other decoding request; its items travel to the caller's asyncio queue as
+`JobEvent`s through `loop.call_soon_threadsafe`. Cancelling a job (client disconnect) ends its row at the
+next step. Other work (`submit`) is a function of the engine's GenerationService returning an iterator:
+quick work (token counting) runs between two steps, so it never waits for a generation and the tokenizer is
+only ever used from this thread; exclusive work (a model switch, a race, a timing) waits until the decoding
+rows have finished and runs alone.
 
-The queue is bounded (`max_queue` jobs waiting; one more is refused with `Overloaded`). Quick jobs (token
-counting) run on the same thread between two items of the running job, so they never wait for a whole
-generation and the tokenizer is only ever used from this thread.
+The queue is bounded (`max_queue` jobs waiting; one more is refused with `Overloaded`).
 
 The thread supervises itself: an error that escapes the serving loop (a bug; a failed request never does)
 ends every in-flight job at once with `EngineRestarted`, resets the target and serves on with the model still
@@ -20,17 +22,24 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 import structlog
 
-from mlx_dspark.application.batching import BatchBackendFactory, BatchScheduler, batchable
-from mlx_dspark.application.generation import GenerationService
+from mlx_dspark.application.engine.jobs import Emit, JobEnded, JobEvent, JobFailed, JobItem, StepJob
+from mlx_dspark.application.engine.rows import RowsBackend, SerialRows
+from mlx_dspark.application.engine.step import Engine, forkable, speculates
 from mlx_dspark.domain.errors import CapacityExceeded, Overloaded
+from mlx_dspark.domain.ports import TargetModel
+
+if TYPE_CHECKING:  # the generation use case imports the engine's decoder
+    from mlx_dspark.application.generation import GenerationService
 
 T = TypeVar("T")
-Work = Callable[[GenerationService], Iterator[T]]
+Work = Callable[["GenerationService"], Iterator[T]]
+DecodeWork = Callable[["GenerationService", Emit], StepJob]
+RowsFactory = Callable[[TargetModel, bool], RowsBackend | None]  # (target, rows speculate) -> batched rows
 _log = structlog.get_logger("mlx_dspark.engine")
 
 
@@ -56,19 +65,25 @@ class Restart:
 _CAUSE_CHARS = 300  # a cause is shown on /health: bounded
 _CRASH_WINDOW_S = 60.0
 _CRASHES_BEFORE_RELOAD = 3  # failures within the window after which the model is loaded again
-
-_ITEM, _ERROR, _END = "item", "error", "end"
 _WAKE = object()  # puts the idle engine thread to work on the quick lane
 
 
 class EngineJob(Generic[T]):
     """One submitted job as seen from the event loop: iterate it, or cancel it."""
 
-    def __init__(self, work: Work[T], loop: asyncio.AbstractEventLoop, *, exclusive: bool = False) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        work: Work[T] | None = None,
+        decode: DecodeWork | None = None,
+        exclusive: bool = False,
+    ) -> None:
         self.work = work
-        self.exclusive = exclusive  # runs alone on the engine's own service, never in a batch lane
+        self.decode = decode
+        self.exclusive = exclusive  # runs alone on the engine's own service, never beside decoding rows
         self._loop = loop
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._queue: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._cancelled = threading.Event()
         self.finished = False
 
@@ -77,12 +92,17 @@ class EngineJob(Generic[T]):
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        """Stop the job at its next item (safe from any thread, idempotent)."""
+        """Stop the job at its next step (safe from any thread, idempotent)."""
         self._cancelled.set()
 
-    def _push(self, kind: str, value: Any) -> None:
+    def start(self, service: GenerationService, emit: Emit) -> StepJob:
+        """The decode job over `service` (the step engine's Task)."""
+        assert self.decode is not None
+        return self.decode(service, emit)
+
+    def push(self, event: JobEvent) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the caller's loop is gone: nobody is listening any more
             self._cancelled.set()
 
@@ -96,17 +116,22 @@ class EngineJob(Generic[T]):
         """
         if self.finished:
             raise StopAsyncIteration
+        # A checkpoint per item: with items queued ahead, taking one never suspends, and a consumer whose client
+        # hung up (its task cancelled) must still see the cancellation here. asyncio.timeout, not wait_for: on
+        # Python 3.11, wait_for hands back an item that arrives together with a cancellation.
+        await asyncio.sleep(0)
         if timeout is None:
-            kind, value = await self._queue.get()
+            event = await self._queue.get()
         else:
-            kind, value = await asyncio.wait_for(self._queue.get(), timeout)
-        if kind == _END:
+            async with asyncio.timeout(timeout):
+                event = await self._queue.get()
+        if isinstance(event, JobEnded):
             self.finished = True
             raise StopAsyncIteration
-        if kind == _ERROR:
+        if isinstance(event, JobFailed):
             self.finished = True
-            raise value
-        result: T = value
+            raise event.error
+        result: T = event.value
         return result
 
     async def __aiter__(self) -> AsyncIterator[T]:
@@ -118,14 +143,14 @@ class EngineJob(Generic[T]):
 
 
 class EngineThread:
-    """Owns the GenerationService and the one thread that runs it.
+    """Owns the GenerationService, its step engine and the one thread that runs them.
 
     Args:
         generator_factory: builds the GenerationService (loads the model) on the engine thread.
-        max_queue: jobs that may wait (both lanes together) besides the running one.
+        max_queue: jobs that may wait (both lanes together) besides the running ones.
         name: the thread's name.
         max_batch: requests decoded together (1: strictly one at a time).
-        batch_backend: the target's batched form, when it has one (plain and fixed speculative modes).
+        rows: the target's batched rows, when it has them (else requests run one at a time on the target).
         on_serve: runs on the engine thread with each GenerationService before it is served (after the load,
             at every switch): facts measured there can be read by callers without waiting for the engine.
     """
@@ -137,14 +162,14 @@ class EngineThread:
         max_queue: int = 16,
         name: str = "mlx-dspark-engine",
         max_batch: int = 1,
-        batch_backend: BatchBackendFactory | None = None,
+        rows: RowsFactory | None = None,
         on_serve: Callable[[GenerationService], None] | None = None,
     ) -> None:
         self._factory = generator_factory
         self._on_serve = on_serve
         self._max_batch = max_batch
-        self._batch_backend = batch_backend
-        self._batcher: BatchScheduler | None = None
+        self._rows = rows
+        self._engine: Engine | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()  # EngineJob, _WAKE, or None (stop)
         self._quick: queue.SimpleQueue[EngineJob[Any]] = queue.SimpleQueue()
         self._max_queue = max_queue
@@ -153,13 +178,13 @@ class EngineThread:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._ready = threading.Event()
         self._generator: GenerationService | None = None
-        self._held: EngineJob[Any] | None = None  # an exclusive job waiting for the batch to drain
+        self._held: EngineJob[Any] | None = None  # an exclusive job waiting for the rows to finish
         self.load_error: BaseException | None = None
         self._stopping = False
         self.restarts = 0
         self.last_restart: Restart | None = None
         self._crashes: list[float] = []  # monotonic times of recent failures (the reload rule's window)
-        self._running: EngineJob[Any] | None = None  # the job `_run` serves now (ended at once on a failure)
+        self._running: EngineJob[Any] | None = None  # the iterator job `_run` serves now
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -178,10 +203,10 @@ class EngineThread:
 
     def _end_in_flight(self) -> None:
         down = EngineDown(message="the server is shutting down")
-        batcher, running = self._batcher, self._running
-        jobs = ([running] if running is not None else []) + (batcher.jobs() if batcher is not None else [])
+        engine, running = self._engine, self._running
+        jobs: list[Any] = ([running] if running is not None else []) + (engine.tasks() if engine is not None else [])
         for job in jobs:
-            job._push(_ERROR, down)
+            job.push(JobFailed(down))
             job.cancel()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -210,6 +235,11 @@ class EngineThread:
             raise EngineDown(message=self._down_message())
         return self._generator
 
+    @property
+    def engine(self) -> Engine | None:
+        """The step engine serving decode jobs (its counters: steps, widest, migrations)."""
+        return self._engine
+
     def _down_message(self) -> str:
         if self.load_error is not None:
             return f"the model failed to load: {self.load_error}"
@@ -234,10 +264,22 @@ class EngineThread:
             new = factory(current)
             self._serving(new)
             self._generator = new
+            self._engine = self._make_engine(new)
             _log.info("engine.switched", model=new.model.name, mode=new.mode)
             yield new
 
         return self.submit(work, loop, exclusive=True)
+
+    def submit_decode(self, work: DecodeWork, loop: asyncio.AbstractEventLoop | None = None) -> EngineJob[Any]:
+        """Queue a decode job: `work(service, emit)` builds the request's StepJob over its row's service.
+
+        Raises:
+            EngineDown: the engine is not running.
+            Overloaded: `max_queue` jobs are already waiting.
+        """
+        job: EngineJob[Any] = EngineJob(self._loop(loop), decode=work)
+        self._enqueue(job, quick=False)
+        return job
 
     def submit(
         self,
@@ -247,18 +289,25 @@ class EngineThread:
         quick: bool = False,
         exclusive: bool = False,
     ) -> EngineJob[T]:
-        """Queue `work` for the engine thread; `quick` work (short, no decoding) runs between two items.
-
-        `exclusive` work (a model switch, a race, a timing, another mode's generation) waits until the
-        batched rows before it have finished and then runs alone on the engine's service.
+        """Queue `work` (an iterator over the engine's GenerationService) for the engine thread: `quick` work
+        (short, no decoding) runs between two steps; any other waits until the decoding rows before it have
+        finished and then runs alone (`exclusive`: the same, said explicitly).
 
         Raises:
             EngineDown: the engine is not running.
             Overloaded: `max_queue` jobs are already waiting.
         """
+        job: EngineJob[T] = EngineJob(self._loop(loop), work=work, exclusive=exclusive or not quick)
+        self._enqueue(job, quick=quick)
+        return job
+
+    @staticmethod
+    def _loop(loop: asyncio.AbstractEventLoop | None) -> asyncio.AbstractEventLoop:
+        return loop or asyncio.get_running_loop()
+
+    def _enqueue(self, job: EngineJob[Any], *, quick: bool) -> None:
         if not self.alive or self._stopping:
             raise EngineDown(message=self._down_message())
-        job: EngineJob[T] = EngineJob(work, loop or asyncio.get_running_loop(), exclusive=exclusive)
         with self._lock:
             if self._waiting >= self._max_queue:
                 raise Overloaded(
@@ -270,16 +319,17 @@ class EngineThread:
             self._jobs.put(_WAKE)
         else:
             self._jobs.put(job)
-        return job
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting for the engine thread, both lanes (not counting the one running)."""
+        """Jobs waiting for the engine thread, both lanes (not counting the running ones)."""
         return self._waiting
 
     def _taken(self) -> None:
         with self._lock:
             self._waiting -= 1
+
+    # ---- the thread ---------------------------------------------------------------------------------------
 
     def _main(self) -> None:
         try:
@@ -287,18 +337,15 @@ class EngineThread:
                 generator = self._factory()
                 self._serving(generator)
                 self._generator = generator
+                self._engine = self._make_engine(generator)
             except BaseException as exc:
                 self.load_error = exc
                 _log.error("engine.load_failed", error=str(exc), exc_info=exc)
                 return
             finally:
                 self._ready.set()
-            self._batcher = self._make_batcher(self._generator)
             _log.info(
-                "engine.ready",
-                model=self._generator.model.name,
-                mode=self._generator.mode,
-                max_batch=self._max_batch if self._batcher is not None else 1,
+                "engine.ready", model=generator.model.name, mode=generator.mode, max_batch=self._engine.max_batch
             )
             while True:
                 try:
@@ -311,31 +358,60 @@ class EngineThread:
             self._drain()
 
     def _serve(self) -> None:
-        """Serve jobs until the stop marker."""
-        assert self._generator is not None
+        """Serve jobs until the stop marker: step while rows decode, block on the queue while none do."""
         while True:
+            engine = self._engine
+            assert engine is not None and self._generator is not None
+            if engine.active:
+                if self._stopping:
+                    for task in engine.tasks():
+                        task.cancel()
+                self._admit_waiting(engine)
+                self._run_quick(self._generator)
+                engine.step()
+                if not engine.active:
+                    engine.drained()
+                continue
             job = self._held if self._held is not None else self._jobs.get()
             self._held = None
             if job is None:
                 self._flush_prefix_cache(self._generator)
                 return
-            if job is not _WAKE:
-                self._taken()
-                if self._stopping:  # queued before stop(): answered, not run
-                    job._push(_ERROR, EngineDown(message=self._down_message()))
-                    continue
-                if self._batcher is not None and not job.exclusive:
-                    self._batcher.run(job, self._take, lambda: self._stopping, self._quick_between)
-                else:
-                    served = self._generator
-                    self._run(job, served)
-                    if self._generator is not served:  # a switch: batch the new service's target
-                        self._batcher = self._make_batcher(self._generator)
+            if job is _WAKE:
+                self._run_quick(self._generator)
+                continue
+            self._taken()
+            if self._stopping:  # queued before stop(): answered, not run
+                job.push(JobFailed(EngineDown(message=self._down_message())))
+                continue
+            if job.decode is not None:
+                engine.admit(job)
+            else:
+                self._run(job, self._generator)
             self._run_quick(self._generator)
+
+    def _admit_waiting(self, engine: Engine) -> None:
+        """Queued decode jobs join the rows while there is room; an exclusive job holds back the rest until
+        the rows have finished."""
+        while self._held is None and not self._stopping and not engine.full:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                self._jobs.put(None)
+                return
+            if job is _WAKE:  # quick jobs are served between steps
+                continue
+            if job.decode is None:  # still counted as waiting until it runs
+                self._held = job
+                return
+            self._taken()
+            engine.admit(job)
 
     def _recover(self, exc: Exception) -> bool:
         """After a failure of the serving loop: end every in-flight job with `EngineRestarted`, reset the target
-        (its cache may be half-written) and the batch, and reload the model when failures repeat. False when
+        (its cache may be half-written) and the rows, and reload the model when failures repeat. False when
         the engine cannot go on (the reload failed)."""
         cause = f"{type(exc).__name__}: {exc}"[:_CAUSE_CHARS]
         now = time.monotonic()
@@ -344,10 +420,10 @@ class EngineThread:
         _log.error("engine.crashed", error=cause, restarts=self.restarts + 1, reload=reload, exc_info=exc)
         message = f"the inference engine failed and restarted ({cause}); send the request again"
         failure = EngineRestarted(message=message)
-        if self._batcher is not None:
-            self._batcher.abort(failure)
+        if self._engine is not None:
+            self._engine.abort(failure)
         if self._running is not None:
-            self._running._push(_ERROR, failure)
+            self._running.push(JobFailed(failure))
             self._running = None
         self.restarts += 1
         self.last_restart = Restart(at=time.time(), cause=cause, reloaded=reload)
@@ -359,7 +435,7 @@ class EngineThread:
                 self._generator = generator
             assert self._generator is not None
             self._generator.model.target.reset(0)
-            self._batcher = self._make_batcher(self._generator)
+            self._engine = self._make_engine(self._generator)
         except BaseException as err:
             self.load_error = err
             _log.error("engine.restart_failed", error=str(err), exc_info=err)
@@ -383,26 +459,28 @@ class EngineThread:
                 return
             self._taken()
             if self._stopping:
-                job._push(_ERROR, EngineDown(message=self._down_message()))
+                job.push(JobFailed(EngineDown(message=self._down_message())))
                 continue
             self._run(job, generator, between=False)
 
     def _run(self, job: EngineJob[Any], generator: GenerationService, *, between: bool = True) -> None:
+        """An iterator job, alone on the engine's service (quick jobs still run between its items)."""
         if job.cancelled:
-            job._push(_END, None)
+            job.push(JobEnded())
             return
+        assert job.work is not None
         items: Iterator[Any] | None = None
         outer, self._running = self._running, job
         try:
             items = job.work(generator)
             for item in items:
-                job._push(_ITEM, item)
+                job.push(JobItem(item))
                 if job.cancelled:
                     break
                 if between:
                     self._run_quick(generator)
         except Exception as exc:  # a failed request must never take the engine down
-            job._push(_ERROR, exc)
+            job.push(JobFailed(exc))
             return
         finally:
             self._running = outer
@@ -412,7 +490,7 @@ class EngineThread:
                     close()
                 except Exception as exc:  # its output is complete: a failure on the way out is logged
                     _log.warning("engine.close_failed", error=str(exc))
-        job._push(_END, None)
+        job.push(JobEnded())
 
     @staticmethod
     def _flush_prefix_cache(generator: GenerationService) -> None:
@@ -428,59 +506,30 @@ class EngineThread:
         if written:
             _log.info("prefix_cache.flushed", entries=written)
 
-    def _make_batcher(self, generator: GenerationService) -> BatchScheduler | None:
-        if self._max_batch < 2 or self._batch_backend is None or not batchable(generator):
-            return None
-        backend = self._batch_backend(generator.model.target)
-        if backend is None:  # e.g. quantized KV caches: served one at a time
-            _log.info("engine.batching_off", reason="the target's caches have no batched form")
-            return None
-        if not batchable(generator, backend):
-            _log.info("engine.batching_off", reason="this target batches plain decoding only", mode=generator.mode)
-            return None
-        return BatchScheduler(
-            backend,
+    def _make_engine(self, generator: GenerationService) -> Engine:
+        """The step engine over the service's target: its batched rows where the target and mode have them,
+        else one request at a time on the target itself."""
+        target = generator.model.target
+        rows: RowsBackend | None = None
+        if self._max_batch > 1 and self._rows is not None and forkable(generator):
+            rows = self._rows(target, speculates(generator))
+            if rows is None:
+                _log.info("engine.batching_off", reason="the target's caches have no batched form", mode=generator.mode)
+        return Engine(
+            rows or SerialRows(target),
             generator,
-            max_batch=self._max_batch,
-            push=lambda job, kind, value: job._push(kind, value),
+            max_batch=self._max_batch if rows is not None else 1,
             observe_forwards=True,
         )
 
-    def _quick_between(self) -> None:
-        if self._generator is not None:
-            self._run_quick(self._generator)
-
-    def _take(self) -> EngineJob[Any] | None:
-        """A queued job for the batch, or None when none waits (the stop marker stays queued).
-
-        An exclusive job is held back (and nothing after it is taken) until the batch drains.
-        """
-        while self._held is None:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return None
-            if job is None:
-                self._jobs.put(None)
-                return None
-            if job is _WAKE:  # quick jobs are served between ticks
-                continue
-            if job.exclusive:  # still counted as waiting until it runs
-                self._held = job
-                return None
-            self._taken()
-            if self._stopping:
-                job._push(_ERROR, EngineDown(message=self._down_message()))
-                continue
-            result: EngineJob[Any] = job
-            return result
-        return None
-
     def _drain(self) -> None:
         """Answer every queued job once the thread is ending, so no caller waits forever."""
+        down = EngineDown(message=self._down_message())
         if self._held is not None:
-            self._held._push(_ERROR, EngineDown(message=self._down_message()))
+            self._held.push(JobFailed(down))
             self._held = None
+        if self._engine is not None:
+            self._engine.abort(down)
         for lane in (self._jobs, self._quick):
             while True:
                 try:
@@ -488,4 +537,4 @@ class EngineThread:
                 except queue.Empty:
                     break
                 if isinstance(job, EngineJob):
-                    job._push(_ERROR, EngineDown(message=self._down_message()))
+                    job.push(JobFailed(down))
