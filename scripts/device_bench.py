@@ -70,23 +70,26 @@ class _Inert:
         return lambda *args, **kwargs: None
 
 
-def _stub_cattrs() -> None:
-    """Where cattrs is missing: what application.settings touches at import (the bench never parses settings)."""
+def _stand_in(name: str, **attributes: Any) -> None:
+    """Where `name` is missing: a module holding what import-time code touches (the bench never uses more)."""
     try:
-        import cattrs  # noqa: F401
+        importlib.import_module(name)
     except ImportError:
-        pass
-    else:
-        return
-    stub = types.ModuleType("cattrs")
-    stub.Converter = _Inert  # type: ignore[attr-defined]
-    stub.BaseValidationError = type("BaseValidationError", (Exception,), {})  # type: ignore[attr-defined]
-    stub.transform_error = lambda exc: [str(exc)]  # type: ignore[attr-defined]
-    sys.modules["cattrs"] = stub
+        stub = types.ModuleType(name)
+        stub.__dict__.update(attributes)
+        sys.modules[name] = stub
 
 
 _package_from_checkout()
-_stub_cattrs()
+# application.settings builds a cattrs converter at import (the bench never parses settings); the engine
+# takes a structlog logger at import (an inert one logs nothing).
+_stand_in(
+    "cattrs",
+    Converter=_Inert,
+    BaseValidationError=type("BaseValidationError", (Exception,), {}),
+    transform_error=lambda exc: [str(exc)],
+)
+_stand_in("structlog", get_logger=lambda *args, **kwargs: _Inert())
 
 from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
 
