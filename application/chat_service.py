@@ -174,7 +174,7 @@ class ChatService:
         from mlx_dspark.application.engine.step import Engine
 
         items: list[ChatItem] = []
-        engine = Engine(SerialRows(generator.model.target), generator, fork=False)
+        engine = Engine(SerialRows(generator.model.target), generator, fork=False, report_steps=False)
         yield from engine.run_alone(lambda _row: self.job(generator, request, items.append), items)
 
     def job(self, generator: GenerationService, request: ChatRequest, emit: Callable[[ChatItem], None]) -> ChatJob:

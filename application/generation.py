@@ -200,7 +200,7 @@ class GenerationService:
         def make(row: Any) -> GenerationJob:
             return GenerationJob(self, request, items.append, prompt_ids=prompt_ids)
 
-        yield from Engine(SerialRows(self.model.target), self, fork=False).run_alone(make, items)
+        yield from Engine(SerialRows(self.model.target), self, fork=False, report_steps=False).run_alone(make, items)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """Run a request to completion."""

@@ -133,6 +133,7 @@ class Engine:
         probe_every: see `WidthPlan`.
         observe_forwards: time every step on the service's clock and correct the cost model by it (the
             server and bench do; tests on fake clocks do not).
+        report_steps: emit each step's BatchStepped (the server's batch; a request run alone reports none).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class Engine:
         probe_every: int = 16,
         observe_forwards: bool = False,
         clock: Clock | None = None,
+        report_steps: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -156,6 +158,7 @@ class Engine:
         if not self._forks:
             self.max_batch = 1  # one request at a time on the service's own sources
         self._telemetry = service.telemetry if service is not None else None
+        self._report = report_steps and self._telemetry is not None  # the batch's width, per step
         self.plan = WidthPlan(
             self._telemetry or _NoTelemetry(), curves=curves, probe_every=probe_every, observed=observe_forwards
         )
@@ -248,12 +251,12 @@ class Engine:
         if stepping:
             drafting = self._verify(stepping, started if not prefilled else None)
         width = len(stepping)
-        if (width or prefilled) and self._telemetry is not None:
+        if (width or prefilled) and self._report and self._telemetry is not None:
             self._telemetry.emit(TELEMETRY_ID, BatchStepped(width=width, prefilling=prefilled, drafting=drafting))
 
     def drained(self) -> None:
         """Nothing decodes until the next job: the batch's width reads zero."""
-        if self._telemetry is not None:
+        if self._report and self._telemetry is not None:
             self._telemetry.emit(TELEMETRY_ID, BatchStepped(width=0, prefilling=0, drafting=0))
 
     def _prefill(self) -> int:
