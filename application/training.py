@@ -56,6 +56,22 @@ class TrainPlan:
         compile: compile the training step (`mx.compile`; shapes bucketed), the fast path on a GPU.
         init_from: a published drafter checkpoint to start from (a later slot continuing a committed
             drafter with new data: its weights and draft vocabulary, a fresh optimizer and schedule).
+        grow: with `init_from`, keep this plan's layers, block size and target layers: the checkpoint's
+            layers come first, added layers start as identities and `fc` reads added target layers through
+            zero columns, so the drafter starts as the checkpoint's function.
+        kl_weight: soft targets, KL(target ‖ drafter) over the draft vocabulary: DFlash (1 − w)·CE + w·KL,
+            DSpark its loss + w·KL (0 = the published losses).
+        own_prev: DSpark, share of blocks whose Markov inputs are the drafter's own greedy drafts at the
+            earlier slots (as at inference) instead of the reference tokens.
+        loss_gamma: slot weight decay exp(−k/γ) (0 = the published γ: DFlash (bs − 1)/2, DSpark 4).
+        length_grouping: batches drawn from groups of this many batches sorted by length (little padding);
+            0 = plain shuffled batches.
+        profile_steps: time this many steps part by part after the first traces (target-side forward,
+            drafter step, host work), reported in the facts.
+        stop_after_s: this invocation stops with a checkpoint after this many seconds (a resumed run
+            continues the same schedule); `time_budget_s` is then the whole run's training time.
+        compute_dtype: the drafter's forward and backward ("float32", or "bfloat16" over float32 master
+            weights); the losses are computed in float32 either way.
     """
 
     kind: str
@@ -82,6 +98,14 @@ class TrainPlan:
     save_dtype: str = "float32"
     compile: bool = False
     init_from: str | None = None
+    grow: bool = False
+    kl_weight: float = 0.0
+    own_prev: float = 0.0
+    loss_gamma: float = 0.0
+    length_grouping: int = 32
+    profile_steps: int = 0
+    stop_after_s: float | None = None
+    compute_dtype: str = "float32"
 
 
 @attrs.frozen(kw_only=True)
@@ -349,9 +373,18 @@ def model_card(target_name: str, data_note: str, facts: Mapping[str, Any], measu
     return "\n".join(lines) + "\n"
 
 
+Sequences = list[tuple[list[int], int]]
+
+
 @attrs.frozen(kw_only=True)
 class TrainRequest:
-    """One `train-drafter` invocation."""
+    """One `train-drafter` invocation.
+
+    Attributes:
+        sequences: (training, held-out) sequences made elsewhere (a GPU slot's own generator); `data` is
+            then not used to make any.
+        data_note: how the data was made, for the model card (default: from `data.prompts`).
+    """
 
     target: str
     out: str
@@ -360,6 +393,8 @@ class TrainRequest:
     resume: bool = False
     generate_only: bool = False
     auto_layers: bool = True
+    sequences: tuple[Sequences, Sequences] | None = None
+    data_note: str | None = None
 
 
 def train_drafter(
@@ -385,7 +420,10 @@ def train_drafter(
     say(f"loading target {request.target}")
     target = trainer.open_target(request.target)
     shape = trainer.describe(target)
-    train, held = make_data(trainer, target, request.data, say)
+    if request.sequences is not None:
+        train, held = request.sequences
+    else:
+        train, held = make_data(trainer, target, request.data, say)
     if request.generate_only:
         return {"sequences": len(train), "heldout_sequences": len(held)}
     if not train:
@@ -406,7 +444,7 @@ def train_drafter(
         f"mask token {mask}, device {shape['device']}"
     )
     source = "built-in prompt set" if request.data.prompts == "builtin" else request.data.prompts
-    data_note = f"{source}, responses by the target"
+    data_note = request.data_note or f"{source}, responses by the target"
 
     def card(facts: Mapping[str, Any]) -> str:
         return model_card(request.target, data_note, facts, None)

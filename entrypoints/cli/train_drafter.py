@@ -46,6 +46,24 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compile", action="store_true", help="compile the training step (mx.compile; fast on a GPU)")
     p.add_argument("--init-from", help="start from this published drafter checkpoint (its shape and weights)")
+    p.add_argument(
+        "--grow",
+        action="store_true",
+        help="with --init-from: keep --layers/--block-size/--target-layers; the checkpoint's layers first, added "
+        "layers and target layers start at zero, so training starts from the checkpoint's function",
+    )
+    p.add_argument("--kl-weight", type=float, default=0.0, help="soft targets: KL to the target's distribution")
+    p.add_argument("--own-prev", type=float, default=0.0, help="dspark: share of blocks fed their own drafts")
+    p.add_argument("--loss-gamma", type=float, default=0.0, help="slot weight decay exp(-k/γ) (0 = published)")
+    p.add_argument("--length-grouping", type=int, default=32, help="batches from length-sorted groups (0 = off)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="time STEPS steps part by part")
+    p.add_argument("--stop-after", type=float, help="stop (checkpointed) after this many seconds; --resume goes on")
+    p.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="drafter forward/backward dtype (bfloat16: over float32 master weights)",
+    )
     p.add_argument("--markov-rank", type=int, default=32, help="dspark: Markov head rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
@@ -76,6 +94,16 @@ class ProgressBar:
         self.last_plain = 0.0
 
     def __call__(self, p: Mapping[str, Any]) -> None:
+        if "profile" in p:
+            prof = p["profile"]
+            if self.tty:
+                sys.stderr.write("\n")
+            sys.stderr.write(
+                f"profile: {prof['block_tokens_per_s']:.0f} block tok/s, {prof['steps_per_s']:.2f} steps/s; per step "
+                f"{prof['step_ms']:.1f} ms (target-side forward {prof['target_ms']:.1f}, drafter "
+                f"{prof['drafter_ms']:.1f}), host {prof['host_ms']:.1f} ms\n"
+            )
+            return
         frac = p["step"] / max(1, p["total"])
         filled = int(frac * self.width)
         eta = int(p["eta_s"])
@@ -83,6 +111,7 @@ class ProgressBar:
         line = (
             f"[{'#' * filled}{'.' * (self.width - filled)}] {p['step']}/{p['total']} "
             f"loss {p['loss']:.3f} acc {p['acc']:.3f}{tau} {p['tokens_per_s']:.0f} tok/s "
+            f"{p.get('steps_per_s', 0):.2f} steps/s "
             f"ETA {eta // 60}:{eta % 60:02d}"
         )
         if self.tty:
@@ -139,6 +168,14 @@ def main(argv: Sequence[str]) -> int:
                 save_dtype=args.save_dtype,
                 compile=args.compile,
                 init_from=args.init_from,
+                grow=args.grow,
+                kl_weight=args.kl_weight,
+                own_prev=args.own_prev,
+                loss_gamma=args.loss_gamma,
+                length_grouping=args.length_grouping,
+                profile_steps=args.profile,
+                stop_after_s=args.stop_after,
+                compute_dtype=args.compute_dtype,
             )
             data = DataOptions(
                 prompts=args.prompts,

@@ -8,6 +8,8 @@ attend bidirectionally over the block and every context row; sliding layers are 
 
 Two ways in: a pure forward (`DrafterBackbone.hidden`, explicit positions and masks, for training) and
 `ContextCache`, the inference cache that holds K/V of verified context rows only and so never rolls back.
+Training lays many blocks side by side in one row; `BlockwiseMask` attends them without the dense
+[blocks × blocks] part of the mask, where all but each block's own square is hidden.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
+import attrs
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
@@ -24,6 +27,42 @@ from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
 
 Positions = int | mx.array
 KV = tuple[mx.array, mx.array]
+
+
+@attrs.frozen
+class BlockwiseMask:
+    """Training attention of N blocks of `block_size` rows laid side by side: block row i sees context row j
+    iff `visible[..., i, j]` and the rows of its own block only.
+
+    The same softmax as the dense mask [context visibility ; own-block squares] over S + N·bs keys, computed
+    over S + bs keys per row: the [N·bs × N·bs] square, all hidden but its diagonal blocks, is never formed.
+
+    Attributes:
+        visible: [B, 1, N·bs, S] boolean, the context rows each block row sees.
+        block_size: rows per block.
+    """
+
+    visible: mx.array
+    block_size: int
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, context: KV, scale: float) -> mx.array:
+        """softmax over [context ; own block] of q·kᵀ·scale, times the values; q [B, h, q, D], k/v the block's
+        [B, kv, q, D], `context` [B, kv, S, D]; grouped-query heads share their kv head."""
+        b, h, rows, d = q.shape
+        kv, bs = k.shape[1], self.block_size
+        n, rep = rows // bs, h // kv
+        qg = (q * scale).reshape(b, kv, rep, rows, d)
+        ck, cv = context[0].astype(q.dtype)[:, :, None], context[1].astype(q.dtype)[:, :, None]
+        s_ctx = qg @ ck.swapaxes(-1, -2)  # [B, kv, rep, q, S]
+        s_ctx = mx.where(self.visible[:, :, None], s_ctx, -mx.inf)
+        qb = qg.reshape(b, kv, rep, n, bs, d)
+        kb = k.reshape(b, kv, 1, n, bs, d)
+        vb = v.reshape(b, kv, 1, n, bs, d)
+        s_own = (qb @ kb.swapaxes(-1, -2)).reshape(b, kv, rep, rows, bs)
+        p = mx.softmax(mx.concatenate([s_ctx, s_own], axis=-1).astype(mx.float32), axis=-1).astype(q.dtype)
+        width = s_ctx.shape[-1]
+        out = p[..., :width] @ cv + (p[..., width:].reshape(b, kv, rep, n, bs, bs) @ vb).reshape(b, kv, rep, rows, d)
+        return out.reshape(b, h, rows, d)
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: Positions) -> mx.array:
@@ -71,7 +110,11 @@ class DraftAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.n_kv_heads)
         return k, v
 
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, context: KV | None, mask: mx.array | None) -> mx.array:
+    def _attend(
+        self, q: mx.array, k: mx.array, v: mx.array, context: KV | None, mask: mx.array | BlockwiseMask | None
+    ) -> mx.array:
+        if isinstance(mask, BlockwiseMask) and context is not None:
+            return mask.attend(q, k, v, context, self.scale)
         if context is not None:
             k = mx.concatenate([context[0].astype(k.dtype), k], axis=2)
             v = mx.concatenate([context[1].astype(v.dtype), v], axis=2)
@@ -81,7 +124,9 @@ class DraftAttention(nn.Module):
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
-    def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
+    def __call__(
+        self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | BlockwiseMask | None
+    ) -> mx.array:
         q = rope_at(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), positions)
         k, v = self.key_values(x, positions)
         return self._out(self._attend(q, k, v, context, mask))
@@ -125,7 +170,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def __call__(self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | None) -> mx.array:
+    def __call__(
+        self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | BlockwiseMask | None
+    ) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), positions, context, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -215,7 +262,7 @@ class DrafterBackbone(nn.Module):
         positions: Positions,
         *,
         context: list[KV] | None = None,
-        masks: mx.array | Mapping[str, mx.array | None] | None = None,
+        masks: mx.array | BlockwiseMask | Mapping[str, mx.array | None] | None = None,
     ) -> mx.array:
         """Pure forward of block embeddings through every layer, then the final norm.
 
@@ -225,7 +272,8 @@ class DrafterBackbone(nn.Module):
             context: per-layer context K/V from `context_kv` (or `ContextCache.layer_kv`), or None.
             masks: None (attend to everything), one mask for every layer, or a mapping from layer type
                 ("full_attention" / "sliding_attention") to a mask; masks are boolean (True = attend) or
-                additive, shaped [L, S + L] or broadcastable to [B, heads, L, S + L].
+                additive, shaped [L, S + L] or broadcastable to [B, heads, L, S + L]; or a `BlockwiseMask`
+                (training blocks side by side, with a context).
 
         Returns:
             Final-normed hidden states [B, L, H].
