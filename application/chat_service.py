@@ -6,7 +6,8 @@ any token is generated, so each dialect can answer with its clients' exact overf
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -31,6 +32,7 @@ from mlx_dspark.domain.chat import (
     OutputTooLong,
     PromptTooLong,
     Role,
+    ToolCall,
     ToolChoiceMode,
     ToolSpec,
     TurnFinished,
@@ -146,6 +148,21 @@ class ChatService:
 
     def prompt_ids(self, model: LoadedModel, request: ChatRequest) -> list[int]:
         """The turn's prompt token ids, rendered through the family codec and the chat template."""
+        return self._render(model, request).ids
+
+    def messages_prompt(
+        self,
+        model: LoadedModel,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt of plain {"role", "content"} messages (the CLI's and the Python API's), rendered through the
+        same family codec as a server request, so every face sends the model the same tokens."""
+        request = ChatRequest(
+            conversation=conversation_of(messages, tools),
+            thinking=(template_kwargs or {}).get("enable_thinking"),
+        )
         return self._render(model, request).ids
 
     def count_tokens(self, generator: GenerationService, request: ChatRequest) -> int:
@@ -357,6 +374,58 @@ class ChatJob:
         self._emit(Report(result=result))
         stop_sequence = result.stop_sequence if reason is FinishReason.STOP_SEQUENCE else None
         self._emit(TurnFinished(reason=reason, usage=usage, stop_sequence=stop_sequence))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):  # a list of parts: the text ones count
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+def conversation_of(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+) -> Conversation:
+    """Plain chat messages (OpenAI-shaped dicts: role, content, tool_calls, tool_call_id) and tool specs (OpenAI's
+    {"type": "function", "function": {...}} or a bare {"name", "description", "parameters"}) as a Conversation.
+
+    Raises:
+        InvalidRequest: a message without a known role.
+    """
+    system: list[str] = []
+    turns: list[Message] = []
+    for i, m in enumerate(messages):
+        role = str(m.get("role", ""))
+        if role in ("system", "developer"):
+            system.append(_text(m.get("content")))
+            continue
+        if role not in ("user", "assistant", "tool"):
+            raise InvalidRequest(message=f"message {i} has no known role (user, assistant, system, tool)", param="role")
+        calls = []
+        for c in m.get("tool_calls") or ():
+            fn = c.get("function", c)
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args or "{}")
+            calls.append(ToolCall(id=str(c.get("id", f"call_{i}")), name=str(fn.get("name", "")), arguments=args))
+        turns.append(
+            Message(
+                role=Role(role),
+                text=_text(m.get("content")),
+                thinking=str(m.get("reasoning_content") or m.get("thinking") or ""),
+                tool_calls=tuple(calls),
+                tool_call_id=m.get("tool_call_id"),
+                tool_name=m.get("name"),
+            )
+        )
+    specs = []
+    for t in tools or ():
+        fn = t.get("function", t)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        name, description = str(fn.get("name", "")), str(fn.get("description", ""))
+        specs.append(ToolSpec(name=name, description=description, parameters=params))
+    return Conversation(system="\n\n".join(system), messages=tuple(turns), tools=tuple(specs))
 
 
 def _tool_plan(request: ChatRequest) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...], bool, str | None]:

@@ -35,6 +35,10 @@ from mlx_dspark.domain.stops import StopStringMatcher
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+# (model, chat messages, tool specs, template variables) -> prompt ids, through the family codec
+ChatPrompt = Callable[
+    [LoadedModel, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]] | None, Mapping[str, Any] | None], list[int]
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -124,6 +128,8 @@ class GenerationService:
         mode: the fixed mode's name, reported in results.
         cap_policy_factory: the fixed mode's fresh cap policy per request (None = the source's full block).
         prefix_cache: cached prefixes of this model (None = reuse only what the target still holds).
+        chat_prompt: renders chat messages to prompt ids through the model family's codec, as the server does
+            (None: through the tokenizer's own template).
     """
 
     def __init__(
@@ -137,8 +143,10 @@ class GenerationService:
         mode: str = PLAIN,
         cap_policy_factory: Callable[[], CapPolicy] | None = None,
         prefix_cache: PrefixCache | None = None,
+        chat_prompt: ChatPrompt | None = None,
     ) -> None:
         self.model = model
+        self._chat_prompt = chat_prompt
         self.selector: SourceSelector = selector or FixedSelector(mode, source, cap_policy_factory)
         self._clock = clock
         self._telemetry = telemetry
@@ -168,6 +176,7 @@ class GenerationService:
             telemetry=self._telemetry,
             selector=selector or self.selector,
             prefix_cache=self.prefix_cache,
+            chat_prompt=self._chat_prompt,
         )
 
     def encode_prompt(self, request: GenerationRequest) -> list[int]:
@@ -175,16 +184,18 @@ class GenerationService:
         tok = self.model.tokenizer
         prompt = request.prompt
         if isinstance(prompt, str):
-            if request.chat_template and tok.chat_template:
-                messages: Sequence[Mapping[str, Any]] = [{"role": "user", "content": prompt}]
-                text = tok.render_chat(messages, tools=request.tools, template_kwargs=request.template_kwargs)
-                return tok.encode(text, add_special_tokens=False)
-            return tok.encode(prompt)
-        if all(isinstance(t, int) for t in prompt):
+            if not (request.chat_template and tok.chat_template):
+                return tok.encode(prompt)
+            messages: Sequence[Mapping[str, Any]] = [{"role": "user", "content": prompt}]
+        elif all(isinstance(t, int) for t in prompt):
             return [int(t) for t in prompt]  # type: ignore[arg-type]
+        else:
+            messages = prompt  # type: ignore[assignment]
         if not tok.chat_template:
             raise InvalidRequest(message="this model has no chat template; send a text prompt", param="messages")
-        text = tok.render_chat(prompt, tools=request.tools, template_kwargs=request.template_kwargs)  # type: ignore[arg-type]
+        if self._chat_prompt is not None:
+            return self._chat_prompt(self.model, messages, request.tools, request.template_kwargs)
+        text = tok.render_chat(messages, tools=request.tools, template_kwargs=request.template_kwargs)
         return tok.encode(text, add_special_tokens=False)
 
     def stream(

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mlx_dspark.application.auto_mode import measure_and_choose, measured_cap_factory
-from mlx_dspark.application.generation import GenerationService
+from mlx_dspark.application.chat_service import ChatService
+from mlx_dspark.application.generation import ChatPrompt, GenerationService
 from mlx_dspark.application.ports import LoadedModel, ModelLoader
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import MODES, Settings
@@ -20,6 +21,11 @@ from mlx_dspark.domain.ports import DraftSource
 
 SPECULATIVE_KINDS = ("dspark", "dflash", "lookup")
 BENCH_MODES = (PLAIN, "lookup", "dflash", "dspark", "auto")
+
+
+def _chat_prompt(services: Services, settings: Settings) -> ChatPrompt:
+    """Chat messages through the family codec, as the server renders them (every face sends the same tokens)."""
+    return ChatService(services.families, settings.server).messages_prompt
 
 
 def parse_max_draft(value: str | int | None) -> int | None:
@@ -110,6 +116,7 @@ def build_generator(
             clock=services.clock,
             telemetry=services.telemetry,
             prefix_cache=services.prefix_caches(model),
+            chat_prompt=_chat_prompt(services, settings),
         )
     source = load_source(services.loader, settings, model, mode)
     if source is not None and cap == 0:
@@ -125,6 +132,7 @@ def build_generator(
         telemetry=services.telemetry,
         cap_policy_factory=factory,
         prefix_cache=services.prefix_caches(model),
+            chat_prompt=_chat_prompt(services, settings),
     )
 
 
