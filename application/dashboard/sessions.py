@@ -18,7 +18,16 @@ from mlx_dspark.application.chat_service import ChatItem, ChatService
 from mlx_dspark.application.dashboard.modes import SELECTABLE, ModeSet
 from mlx_dspark.application.dashboard.ports import SessionInfo, SessionStore, StoredMessage, TelemetryFeed
 from mlx_dspark.application.generation import GenerationService
-from mlx_dspark.domain.chat import ChatRequest, Conversation, Message, Role
+from mlx_dspark.domain.chat import (
+    ChatRequest,
+    Conversation,
+    Message,
+    ReasoningDelta,
+    Role,
+    TextDelta,
+    ToolCallEnd,
+    TurnFinished,
+)
 from mlx_dspark.domain.dashboard import SessionNotFound
 from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.domain.tokens import SamplingParams
@@ -159,6 +168,28 @@ class SessionService:
         """One turn in the served mode as a decode job over its row's service (beside other requests)."""
         return self._chat.job(row, request, emit)
 
+    def sessions(self) -> list[SessionInfo]:
+        return list(self.store.sessions())
+
+    def messages(self, session_id: str) -> list[StoredMessage]:
+        """The session's saved turns, oldest first.
+
+        Raises:
+            SessionNotFound: no such session.
+        """
+        self.require(session_id)
+        return list(self.store.messages(session_id))
+
+    def delete(self, session_id: str) -> None:
+        """Raises SessionNotFound when there is no such session."""
+        if not self.store.delete(session_id):
+            raise SessionNotFound(message=f"no session {quoted(session_id)}", param="session_id")
+
+    def reply(self, session_id: str, request: ChatRequest, mode: str, started: float) -> TurnReply:
+        """The bookkeeping of one streamed reply: what the page is sent of each chat item, and what is saved
+        when the stream ends (`TurnReply.finish`)."""
+        return TurnReply(self, session_id, request.request_id, mode, started)
+
     def mode_of(self, served: GenerationService, mode: str) -> str:
         return mode if mode and mode not in ("auto", "served") else served.mode
 
@@ -273,3 +304,55 @@ def _title(text: str) -> str:
 def _message(m: StoredMessage) -> Message:
     role = Role.ASSISTANT if m.role == "assistant" else Role.USER
     return Message(role=role, text=m.content)
+
+
+class TurnReply:
+    """One reply as it streams: the page's events of each chat item, and the saved message at its end."""
+
+    def __init__(self, service: SessionService, session_id: str, request_id: str, mode: str, started: float) -> None:
+        self._service = service
+        self._session = session_id
+        self._request_id = request_id
+        self._mode = mode
+        self._started = started
+        self._text: list[str] = []
+        self._thinking: list[str] = []
+        self._usage: dict[str, Any] = {}
+        self._stats: dict[str, Any] | None = None
+
+    def page_events(self, item: Any) -> list[dict[str, Any]]:
+        """What the chat page is sent of one chat item (and what the saved reply keeps of it)."""
+        if isinstance(item, TextDelta):
+            self._text.append(item.text)
+            return [{"type": "text", "text": item.text}]
+        if isinstance(item, ReasoningDelta):
+            self._thinking.append(item.text)
+            return [{"type": "thinking", "text": item.text}]
+        if isinstance(item, ToolCallEnd):
+            text = f"\n[tool call {item.name}({item.arguments})]"
+            self._text.append(text)
+            return [{"type": "text", "text": text}]
+        if isinstance(item, TurnFinished):
+            u = item.usage
+            self._usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "cached_prompt_tokens": u.cached_prompt_tokens,
+                "reasoning_tokens": u.reasoning_tokens,
+            }
+            stats = self._service.stats(self._request_id, self._usage, self._mode, time.perf_counter() - self._started)
+            stats["finish_reason"] = item.reason.value
+            self._stats = stats
+            return [{"type": "done", "stats": stats}]
+        return []
+
+    def finish(self, outcome: str) -> StoredMessage | None:
+        """Save the reply as far as it went (`outcome`: completed, cancelled, failed); an empty reply that did not
+        complete is not saved."""
+        stats = self._stats or {"mode": self._mode, "finish_reason": outcome, **self._usage}
+        if outcome != "completed":
+            stats = {**stats, "outcome": outcome}
+        text, thinking = "".join(self._text), "".join(self._thinking)
+        if text or thinking or outcome == "completed":
+            return self._service.finish_turn(self._session, text, thinking, stats)
+        return None

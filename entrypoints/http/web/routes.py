@@ -21,7 +21,6 @@ from mlx_dspark.application.dashboard.modes import SELECTABLE
 from mlx_dspark.application.dashboard.service import Dashboard
 from mlx_dspark.application.dashboard.sessions import TurnOptions
 from mlx_dspark.application.engine import EngineJob
-from mlx_dspark.domain.chat import ReasoningDelta, TextDelta, ToolCallEnd, TurnFinished
 from mlx_dspark.domain.dashboard import SessionNotFound
 from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable, quoted
 from mlx_dspark.entrypoints.http import support
@@ -344,7 +343,7 @@ def _session_json(info: Any) -> dict[str, Any]:
 
 @get("/ui/api/sessions", sync_to_thread=True)
 def list_sessions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    return [_session_json(s) for s in dashboard(request).sessions.store.sessions()]
+    return [_session_json(s) for s in dashboard(request).sessions.sessions()]
 
 
 @post("/ui/api/sessions", status_code=201)
@@ -362,7 +361,7 @@ async def create_session(request: Request[Any, Any, Any]) -> dict[str, Any]:
 def get_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
     sessions = dashboard(request).sessions
     info = sessions.require(session_id)
-    messages = [{**attrs.asdict(m), "stats": dict(m.stats)} for m in sessions.store.messages(session_id)]
+    messages = [{**attrs.asdict(m), "stats": dict(m.stats)} for m in sessions.messages(session_id)]
     return {**_session_json(info), "messages": messages}
 
 
@@ -375,8 +374,7 @@ async def rename_session(request: Request[Any, Any, Any], session_id: str) -> di
 
 @delete("/ui/api/sessions/{session_id:str}", status_code=200, sync_to_thread=True)
 def delete_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
-    if not dashboard(request).sessions.store.delete(session_id):
-        raise SessionNotFound(message=f"no session {quoted(session_id)}", param="session_id")
+    dashboard(request).sessions.delete(session_id)
     return {"ok": True}
 
 
@@ -409,43 +407,12 @@ async def chat(request: Request[Any, Any, Any], session_id: str) -> Stream:
         job = ctx.engine.submit_decode(lambda g, emit: sessions.turn_job(g, creq, emit))
     else:
         job = ctx.engine.submit(lambda g: sessions.run_turn(g, creq, options.mode), exclusive=True)
-    started = time.perf_counter()
-    reply: dict[str, Any] = {"text": [], "thinking": [], "usage": {}, "finish": ""}
-
-    def to_json(item: Any) -> Iterable[dict[str, Any]]:
-        if isinstance(item, TextDelta):
-            reply["text"].append(item.text)
-            yield {"type": "text", "text": item.text}
-        elif isinstance(item, ReasoningDelta):
-            reply["thinking"].append(item.text)
-            yield {"type": "thinking", "text": item.text}
-        elif isinstance(item, ToolCallEnd):
-            text = f"\n[tool call {item.name}({item.arguments})]"
-            reply["text"].append(text)
-            yield {"type": "text", "text": text}
-        elif isinstance(item, TurnFinished):
-            u = item.usage
-            reply["usage"] = {
-                "prompt_tokens": u.prompt_tokens,
-                "completion_tokens": u.completion_tokens,
-                "cached_prompt_tokens": u.cached_prompt_tokens,
-                "reasoning_tokens": u.reasoning_tokens,
-            }
-            reply["finish"] = item.reason.value
-            stats = sessions.stats(creq.request_id, reply["usage"], mode, time.perf_counter() - started)
-            stats["finish_reason"] = item.reason.value
-            reply["stats"] = stats
-            yield {"type": "done", "stats": stats}
+    reply = sessions.reply(session_id, creq, mode, time.perf_counter())
 
     async def save(outcome: str) -> None:
-        stats = reply.get("stats") or {"mode": mode, "finish_reason": outcome, **reply["usage"]}
-        if outcome != "completed":
-            stats = {**stats, "outcome": outcome}
-        text, thinking = "".join(reply["text"]), "".join(reply["thinking"])
-        if text or thinking or outcome == "completed":
-            await asyncio.to_thread(sessions.finish_turn, session_id, text, thinking, stats)
+        await asyncio.to_thread(reply.finish, outcome)
 
-    return job_stream(job, to_json, on_end=save)
+    return job_stream(job, reply.page_events, on_end=save)
 
 
 # ---- race and roofline ---------------------------------------------------------------------------------
