@@ -39,7 +39,7 @@ from mlx_dspark.domain.chat import (
 )
 from mlx_dspark.domain.chat.admission import prompt_token_floor
 from mlx_dspark.domain.decoder import Work
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import InvalidRequest, quoted
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import FinishReason
 
@@ -444,7 +444,7 @@ def _tool_plan(request: ChatRequest) -> tuple[tuple[ToolSpec, ...], tuple[ToolSp
     if unknown:
         offered = ", ".join(sorted(names)) or "none"
         raise InvalidRequest(
-            message=f"tool_choice names tool {unknown[0]!r}, which is not among the offered tools ({offered})",
+            message=f"tool_choice names tool {quoted(unknown[0])}, which is not among the offered tools ({offered})",
             param="tool_choice",
         )
     callable_tools = tools
