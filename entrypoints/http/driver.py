@@ -8,7 +8,7 @@ cancellation on disconnect, the canonical log line — happens here once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -20,11 +20,12 @@ from litestar.response import Stream
 from mlx_dspark.application.chat_service import ChatItem, Prepared, Report
 from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.chat import ChatEvent, ChatRequest
+from mlx_dspark.domain.errors import CapacityExceeded
 from mlx_dspark.entrypoints.http.request_log import RequestLog
+from mlx_dspark.entrypoints.http.sse import stream_job
 from mlx_dspark.entrypoints.http.support import HttpContext, context, read_json, read_json_sized
 
 log = structlog.get_logger("mlx_dspark.http")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 OFF_LOOP_BYTES = 1 << 20  # bodies from this size are parsed and converted in a worker thread
 
@@ -179,6 +180,33 @@ async def first(
     return item
 
 
+class _DialectFramer:
+    """A dialect's stream state machine as the streamer's framer: Prepared and Report only reach the log."""
+
+    def __init__(self, stream: DialectStream, exchange: Exchange, record: RequestLog) -> None:
+        self._stream, self._exchange, self._record = stream, exchange, record
+
+    @property
+    def done(self) -> bool:
+        return self._stream.done
+
+    def start(self) -> list[bytes]:
+        return self._stream.start()
+
+    def keepalive(self) -> bytes:
+        return self._stream.keepalive()
+
+    def feed(self, item: Any) -> list[bytes]:
+        self._record.observe(item)
+        if isinstance(item, Prepared | Report):
+            return []
+        self._exchange.observe(item)
+        return self._stream.feed(item)
+
+    def error(self, exc: BaseException) -> list[bytes]:
+        return self._stream.error(exc)
+
+
 def sse_response(
     ctx: HttpContext,
     dialect: Dialect,
@@ -187,45 +215,22 @@ def sse_response(
     stream: DialectStream,
     record: RequestLog,
 ) -> Stream:
-    """Stream a prepared job as SSE; keep-alives while the engine is silent; a disconnect cancels the job."""
-    keepalive_s = ctx.settings.server.keepalive_s
+    """Stream a prepared job as SSE in the dialect's frames (the one streamer, `sse.py`)."""
 
-    async def frames() -> AsyncIterator[bytes]:
-        outcome = "completed"
-        try:
-            for f in stream.start():
-                yield f
-            while not stream.done:
-                try:
-                    item = await job.next(timeout=keepalive_s)
-                except TimeoutError:
-                    yield stream.keepalive()
-                    continue
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:
-                    outcome = "failed"
-                    record.failed(exc, dialect.from_exception(exc)[0])
-                    log.error("http.stream_failed", request_id=record.request_id, error=repr(exc), exc_info=exc)
-                    for f in stream.error(exc):
-                        yield f
-                    break
-                if isinstance(item, Prepared | Report):
-                    record.observe(item)
-                    continue
-                exchange.observe(item)
-                record.observe(item)
-                for f in stream.feed(item):
-                    yield f
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
-        finally:
-            job.cancel()
-            ctx.stream_outcomes[outcome] += 1
-            record.emit(200, outcome=outcome)
+    def failed(exc: Exception) -> None:
+        status = dialect.from_exception(exc)[0]
+        record.failed(exc, status)
+        if status >= 500 and not isinstance(exc, CapacityExceeded):
+            log.error("http.stream_failed", request_id=record.request_id, error=repr(exc)[:300], exc_info=exc)
+        else:  # overloaded, shutting down, restarted: expected, and said so in the request's line
+            log.warning("http.stream_failed", request_id=record.request_id, error=repr(exc)[:300])
 
-    return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+    def ended(outcome: str) -> None:
+        ctx.stream_outcomes[outcome] += 1
+        record.emit(200, outcome=outcome)
+
+    framer = _DialectFramer(stream, exchange, record)
+    return stream_job(job, framer, keepalive_s=ctx.settings.server.keepalive_s, on_failed=failed, on_end=ended)
 
 
 async def collect(

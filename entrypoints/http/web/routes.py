@@ -24,6 +24,7 @@ from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.dashboard import SessionNotFound
 from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable, quoted
 from mlx_dspark.entrypoints.http import support
+from mlx_dspark.entrypoints.http.sse import SSE_HEADERS, stream_job
 from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, offered_key, server_key, web_guard
 
 log = structlog.get_logger("mlx_dspark.web")
@@ -36,7 +37,6 @@ PAGES = {
 }
 KEEPALIVE_S = 10.0
 TELEMETRY_IDLE_S = 8.0
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BANDWIDTH_MIB = 4096  # the copy benchmark holds two buffers of this size on the device
 
 
@@ -49,55 +49,41 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, default=str).encode() + b"\n\n"
 
 
+class _JsonFramer:
+    """The app's JSON events as the streamer's framer; an error is one error event."""
+
+    done = False
+
+    def __init__(self, to_json: Callable[[Any], Iterable[dict[str, Any]]]) -> None:
+        self._to_json = to_json
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> bytes:
+        return b": keep-alive\n\n"
+
+    def feed(self, item: Any) -> list[bytes]:
+        return [_sse(obj) for obj in self._to_json(item)]
+
+    def error(self, exc: BaseException) -> list[bytes]:
+        return [_sse({"type": "error", "message": str(exc) or type(exc).__name__})]
+
+
 def job_stream(
     job: EngineJob[Any],
     to_json: Callable[[Any], Iterable[dict[str, Any]]],
     *,
     on_end: Callable[[str], Any] | None = None,
 ) -> Stream:
-    """SSE frames of an engine job; a client disconnect cancels the job; errors become one error frame.
-
-    A disconnect reaches the stream only as the cancellation of its task (Litestar cancels it; uvicorn drops
-    later sends silently). While the engine has queued items ahead of the stream, taking one never suspends,
-    so the cancellation had nowhere to land (and Python 3.11's `asyncio.wait_for` even returns an item that
-    arrives with it): a hung-up stream ran to the end of its job. So each item passes a checkpoint.
-    """
-
-    async def frames() -> AsyncIterator[bytes]:
-        outcome = "completed"
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(KEEPALIVE_S):
-                        item = await job.next()
-                except TimeoutError:
-                    yield b": keep-alive\n\n"
-                    continue
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:
-                    outcome = "failed"
-                    log.warning("web.job_failed", error=str(exc)[:300])
-                    yield _sse({"type": "error", "message": str(exc) or type(exc).__name__})
-                    break
-                for obj in to_json(item):
-                    yield _sse(obj)
-                await asyncio.sleep(0)  # the checkpoint: a pending cancellation is raised here
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
-        finally:
-            job.cancel()
-            if on_end is not None:
-                await asyncio.shield(asyncio.ensure_future(_call(on_end, outcome)))
-
-    return Stream(frames, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-async def _call(fn: Callable[[str], Any], outcome: str) -> None:
-    result = fn(outcome)
-    if asyncio.iscoroutine(result):
-        await result
+    """SSE frames of an engine job through the one streamer (`sse.py`); errors become one error frame."""
+    return stream_job(
+        job,
+        _JsonFramer(to_json),
+        keepalive_s=KEEPALIVE_S,
+        on_failed=lambda exc: log.warning("web.job_failed", error=str(exc)[:300]),
+        on_end=on_end,
+    )
 
 
 async def _json(request: Request[Any, Any, Any]) -> dict[str, Any]:
