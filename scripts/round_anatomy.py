@@ -1,0 +1,166 @@
+"""Round anatomy (issue 26, item 4): what overlapping rounds could save, measured on bare mlx-lm forwards.
+
+Lab tooling for a GPU slot (runs anywhere MLX does). Over one target (a random-weight shape, or the real export),
+per verify width w = k + 1, one forward of w tokens after a cache that grows by w rows a round, greedy accepted
+on the device (all drafts kept, so every round has the same shape as a fully accepted one):
+
+  host_ms      building the forward's lazy graph (Python and MLX graph nodes; the device waits for it when the
+               round is not overlapped)
+  synced_ms    a round as the engine runs one today: build, dispatch, read the verdict back, then the next round
+  overlapped   the next round built and dispatched from the device-side verdict before this one is read (the
+               ceiling of queueing the next round under "all accepted"), per round
+  plain_ms     one pipelined plain step (mlx-lm's way), for the ratios
+
+`ceiling_x` = w tokens per overlapped round against one plain step per token: what a drafter accepted in full
+would give with overlap; `synced_x` the same without it.
+
+    PYTHONPATH=$HOME/mlx-site:. python3 scripts/round_anatomy.py --shapes 0.6b,4b --widths 1,2,4,8 --json $OUT/ra.json
+    PYTHONPATH=$HOME/mlx-site:. python3 scripts/round_anatomy.py --model $HOME/export --json $OUT/ra-real.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_bench as db  # the stand-ins for a bare device host, the shapes and the loaders
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+PROMPT = 64  # cached rows before the first round
+
+
+def _forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
+    logits = model(tokens[None], cache=cache)[0]
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
+def _fresh(model: Any, vocab: int) -> tuple[Any, mx.array]:
+    cache = make_prompt_cache(model)
+    prompt = mx.arange(PROMPT, dtype=mx.int32) % vocab
+    out = _forward(model, prompt, cache)
+    mx.eval(out)
+    return cache, out[-1:]
+
+
+def _tokens(last: mx.array, width: int) -> mx.array:
+    # the anchor and width - 1 drafts derived on the device (values do not matter: every row is kept)
+    return mx.concatenate([last, last + mx.arange(1, width, dtype=mx.int32)]) if width > 1 else last
+
+
+def measure(model: Any, vocab: int, width: int, rounds: int) -> dict[str, float]:
+    """host, synced and overlapped ms per round of `width` tokens, and the pipelined plain step."""
+    cache, last = _fresh(model, vocab)
+    host: list[float] = []
+    synced: list[float] = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = _forward(model, _tokens(last, width), cache)
+        t1 = time.perf_counter()
+        out.tolist()  # the round's one host sync
+        synced.append(time.perf_counter() - t0)
+        host.append(t1 - t0)
+        last = out[-1:]
+    cache, last = _fresh(model, vocab)
+    out = _forward(model, _tokens(last, width), cache)
+    mx.async_eval(out)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        nxt = _forward(model, _tokens(out[-1:], width), cache)  # built from the device-side verdict
+        mx.async_eval(nxt)
+        out.tolist()  # read this round while the next one runs
+        out = nxt
+    out.tolist()
+    overlapped = (time.perf_counter() - t0) / rounds
+    return {
+        "host_ms": 1e3 * statistics.median(host),
+        "synced_ms": 1e3 * statistics.median(synced),
+        "overlapped_ms": 1e3 * overlapped,
+    }
+
+
+def plain_ms(model: Any, vocab: int, steps: int) -> float:
+    cache, last = _fresh(model, vocab)
+    out = _forward(model, last, cache)
+    mx.async_eval(out)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = _forward(model, out, cache)
+        mx.async_eval(nxt)
+        out.item()
+        out = nxt
+    out.item()
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def anatomy(model: Any, vocab: int, widths: Sequence[int], rounds: int) -> dict[str, Any]:
+    for w in widths:  # first shapes compile and allocate: warm each once
+        measure(model, vocab, w, 3)
+    step = plain_ms(model, vocab, rounds)
+    rows = []
+    for w in widths:
+        m = measure(model, vocab, w, rounds)
+        rows.append(
+            {
+                "width": w,
+                **{k: round(v, 3) for k, v in m.items()},
+                "synced_x": round(w * step / m["synced_ms"], 3),
+                "ceiling_x": round(w * step / m["overlapped_ms"], 3),
+            }
+        )
+    return {"plain_ms": round(step, 3), "widths": rows}
+
+
+def table(name: str, result: dict[str, Any]) -> str:
+    head = "| width | host ms | synced ms | overlapped ms | synced x | ceiling x |"
+    lines = [f"### {name} (plain step {result['plain_ms']:.2f} ms)", "", head, "|---:|---:|---:|---:|---:|---:|"]
+    for r in result["widths"]:
+        lines.append(
+            f"| {r['width']} | {r['host_ms']:.2f} | {r['synced_ms']:.2f} | {r['overlapped_ms']:.2f} "
+            f"| {r['synced_x']:.2f} | {r['ceiling_x']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="", help="random-weight shapes (0.6b,4b,8b,32b,hybrid)")
+    p.add_argument("--model", help="the real export (scripts/device_bench.py export)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--widths", default="1,2,4,8")
+    p.add_argument("--rounds", type=int, default=48)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke run)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    dtype = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}[args.dtype]
+    widths = [int(w) for w in args.widths.split(",") if w]
+    doc: dict[str, Any] = {"device": str(mx.default_device()), "dtype": args.dtype, "results": {}}
+    targets: list[tuple[str, Any]] = []
+    if args.model:
+        targets.append(("real", lambda: db.load_module(Path(args.model), args.dtype)))
+    for shape in [s for s in args.shapes.split(",") if s]:
+        family, cfg = db.shape_config(shape, tiny=args.tiny)
+        targets.append((shape, lambda family=family, cfg=cfg: db.random_model(family, cfg, dtype)))
+    for name, build in targets:
+        model = build()
+        vocab = int(model.args.vocab_size) if hasattr(model.args, "vocab_size") else 1000
+        result = anatomy(model, vocab, widths, args.rounds)
+        doc["results"][name] = result
+        sys.stdout.write(table(name, result))
+        sys.stdout.flush()
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=1))
+        del model
+        db.free_memory()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The round-anatomy script runs on tiny shapes and reports every width's round three ways against a plain step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_round_anatomy_reports_each_width_against_the_plain_step(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("round_anatomy", ROOT / "scripts" / "round_anatomy.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "ra.json"
+    assert module.main(["--shapes", "0.6b", "--tiny", "--rounds", "3", "--widths", "1,3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    result = doc["results"]["0.6b"]
+    assert result["plain_ms"] > 0 and [r["width"] for r in result["widths"]] == [1, 3]
+    for r in result["widths"]:
+        assert 0 < r["host_ms"] <= r["synced_ms"] and r["overlapped_ms"] > 0
+        assert r["ceiling_x"] > 0 and r["synced_x"] > 0
