@@ -120,9 +120,17 @@ class _Rendered:
 
 
 @attrs.frozen(kw_only=True)
-class _Turn:
+class Turn:
+    """A checked, rendered turn for one model (`identity`): its prompt ids, output budget and parse plan. A
+    server prepares it in a worker thread before the engine sees the request."""
+
+    identity: str
     rendered: _Rendered
     max_tokens: int
+
+    @property
+    def prepared(self) -> Prepared:
+        return Prepared(prompt_tokens=len(self.rendered.ids), max_tokens=self.max_tokens)
 
 
 class ChatService:
@@ -170,13 +178,21 @@ class ChatService:
         return len(self._render(generator.model, request).ids)
 
     def prepare(self, model: LoadedModel, request: ChatRequest) -> Prepared:
-        """Check that the turn fits without running it (off the engine thread, while the job is queued).
+        """Check that the turn fits without running it.
 
         Raises:
             PromptTooLong, OutputTooLong, InvalidRequest: as `stream` would.
         """
-        turn = self._prepare(model, request)
-        return Prepared(prompt_tokens=len(turn.rendered.ids), max_tokens=turn.max_tokens)
+        return self.prepare_turn(model, request).prepared
+
+    def prepare_turn(self, model: LoadedModel, request: ChatRequest) -> Turn:
+        """Render and check the turn for `model` (any thread: the tokenizer serialises its calls), so the engine
+        thread only decodes it (`job(..., turn=)`).
+
+        Raises:
+            PromptTooLong, OutputTooLong, InvalidRequest: as `stream` would.
+        """
+        return self._prepare(model, request)
 
     def stream(self, generator: GenerationService, request: ChatRequest) -> Iterator[ChatItem]:
         """Yield Prepared, then text / reasoning / tool-call events, then a Report and one TurnFinished (the turn
@@ -194,10 +210,17 @@ class ChatService:
         engine = Engine(SerialRows(generator.model.target), generator, fork=False, report_steps=False)
         yield from engine.run_alone(lambda _row: self.job(generator, request, items.append), items)
 
-    def job(self, generator: GenerationService, request: ChatRequest, emit: Callable[[ChatItem], None]) -> ChatJob:
-        """The turn as the step engine drives it over `generator` (the service of its row): renders and checks
-        it now (the errors of `stream`), then emits Prepared and the rest as `stream` yields them."""
-        return ChatJob(self, generator, request, emit)
+    def job(
+        self,
+        generator: GenerationService,
+        request: ChatRequest,
+        emit: Callable[[ChatItem], None],
+        turn: Turn | None = None,
+    ) -> ChatJob:
+        """The turn as the step engine drives it over `generator` (the service of its row): `turn` as prepared
+        earlier for the same model, else rendered and checked now (the errors of `stream`); then it emits
+        Prepared and the rest as `stream` yields them."""
+        return ChatJob(self, generator, request, emit, turn)
 
     def stable_boundaries(
         self, generator: GenerationService, request: ChatRequest, ids: Sequence[int]
@@ -283,7 +306,7 @@ class ChatService:
                 message=f"prompt is too long: {floor} tokens > {window - 1} maximum", limit=window, requested=floor
             )
 
-    def _prepare(self, model: LoadedModel, request: ChatRequest) -> _Turn:
+    def _prepare(self, model: LoadedModel, request: ChatRequest) -> Turn:
         self.admit(model, request)
         rendered = self._render(model, request)
         ids = rendered.ids
@@ -307,21 +330,27 @@ class ChatService:
                     max_tokens=wanted,
                 )
             wanted = room
-        return _Turn(rendered=rendered, max_tokens=wanted)
+        return Turn(identity=model.identity, rendered=rendered, max_tokens=wanted)
 
 
 class ChatJob:
     """One chat turn as a StepJob: the family codec's parser over the generation job's text."""
 
     def __init__(
-        self, chat: ChatService, generator: GenerationService, request: ChatRequest, emit: Callable[[ChatItem], None]
+        self,
+        chat: ChatService,
+        generator: GenerationService,
+        request: ChatRequest,
+        emit: Callable[[ChatItem], None],
+        turn: Turn | None = None,
     ) -> None:
-        turn = chat._prepare(generator.model, request)
+        if turn is None or turn.identity != generator.model.identity:  # none, or for a model switched out since
+            turn = chat._prepare(generator.model, request)
         r = turn.rendered
         self._emit = emit
         self._request = request
         self._tokenizer = generator.model.tokenizer
-        emit(Prepared(prompt_tokens=len(r.ids), max_tokens=turn.max_tokens))
+        emit(turn.prepared)
         self._parser = r.codec.parser(r.tools, starts_in_thinking=r.starts_in_thinking, forced=r.forced)
         # one call only: the call's end marker stops generation (an internal stop, never reported as one)
         single = bool(r.tools) and not request.tool_choice.parallel and r.codec.tool_end not in request.stop

@@ -17,7 +17,7 @@ import structlog
 from litestar import Request, Response
 from litestar.response import Stream
 
-from mlx_dspark.application.chat_service import ChatItem, Prepared, Report
+from mlx_dspark.application.chat_service import ChatItem, Prepared, Report, Turn
 from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.chat import ChatEvent, ChatRequest
 from mlx_dspark.domain.errors import CapacityExceeded
@@ -108,10 +108,19 @@ async def drive(request: Request[Any, Any, Any], dialect: Dialect, begin: Begin)
     # A large body's conversion (hundreds of thousands of messages) runs off the event loop, so the other
     # requests' streams go on meanwhile.
     exchange, creq = parse() if size < OFF_LOOP_BYTES else await anyio.to_thread.run_sync(parse)
-    if ctx.engine.ready:  # what the body's size alone proves does not fit is refused before the engine sees it
-        ctx.chat.admit(ctx.engine.generator.model, creq)
-    job = ctx.engine.submit_decode(_chat_work(ctx, creq))
-    prepared = await first(job, record, early=(ctx, creq) if exchange.streaming else None)
+    turn: Turn | None = None
+    if ctx.engine.ready:
+        # Checked and rendered here, in a worker thread: the prompt's own errors come at once, and the engine
+        # thread only decodes (a long prompt's tokenizing never holds up the other rows).
+        model = ctx.engine.generator.model
+        ctx.chat.admit(model, creq)  # what the body's size alone proves does not fit: milliseconds
+        turn = await anyio.to_thread.run_sync(ctx.chat.prepare_turn, model, creq)
+    job = ctx.engine.submit_decode(_chat_work(ctx, creq, turn))
+    if turn is not None:
+        prepared = turn.prepared
+        record.observe(prepared)
+    else:  # still loading: the job's own Prepared says whether the turn fits
+        prepared = await first(job, record, early=(ctx, creq) if exchange.streaming else None)
     if exchange.streaming:
         return sse_response(ctx, dialect, job, exchange, exchange.stream(prepared), record)
     events = await collect(request, job, record)
@@ -144,9 +153,9 @@ async def count(
     return n
 
 
-def _chat_work(ctx: HttpContext, creq: ChatRequest) -> Callable[[Any, Any], Any]:
+def _chat_work(ctx: HttpContext, creq: ChatRequest, turn: Turn | None) -> Callable[[Any, Any], Any]:
     chat = ctx.chat
-    return lambda generator, emit: chat.job(generator, creq, emit)
+    return lambda generator, emit: chat.job(generator, creq, emit, turn)
 
 
 async def first(
