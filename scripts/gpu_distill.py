@@ -1,18 +1,24 @@
-"""One GPU slot of drafter distillation for the default model: diagnostics, data, training, decode bench.
+"""One GPU slot of drafter distillation for the default model: data, training, profile, curve, decode bench.
 
 Runs on a bare CUDA host with MLX (no registry, no Hugging Face download): the target comes as an exact
 export of the GGUF's quantized blocks (`export_target`, run on the CPU side), the tokenizer as its
-`tokenizer.json` and chat template. Phases (each writes under --work; `all` runs them in order):
+`tokenizer.json` and chat template. `scripts/gpu_slot.sh` drives it call by call (`scripts/slot_plan.md`).
+Phases (each writes under --work; `all` runs diag, data, train, bench):
 
-  diag   exactness of the lock-step generator on this device (every row equals single-sequence greedy;
-         the old left-padded loop and its NaN rows for comparison), bf16 vs f32 greedy agreement, and
-         generation throughput at B = 256 / 512 / 1024 (greedy and sampled mixed).
-  data   self-instruct prompts written by the target, then responses (greedy and sampled) to the mixed
-         prompt set (`application/prompt_mix.py`), then multi-turn follow-ups; held-out prompts never enter.
-  train  the drafter variants in parallel processes (`MlxDrafterTrainer`, compiled steps, bf16 features).
-  bench  plain vs DSpark vs DFlash greedy decode tok/s on the held-out prompts (the project's decode loop).
+  diag     exactness of the lock-step generator on this device, bf16 vs f32 greedy agreement, generation
+           throughput at B = 256 / 512 / 1024.
+  data     self-instruct prompts written by the target, then responses (greedy and sampled) to the mixed
+           prompt set (`application/prompt_mix.py`), then multi-turn follow-ups; held-out prompts never enter.
+  train    the variants side by side in parallel processes (equal wall time), each through the training use
+           case (`application/training.py` over `MlxDrafterTrainer`), resumed from what an earlier call left;
+           every run stops at --deadline with a checkpoint; then `curve`.
+  profile  each variant alone for a few dozen steps per compute dtype: block tokens/s, steps/s, and the
+           split between the target-side forward and the drafter step.
+  curve    curve.json: per variant, held-out τ against block tokens and training seconds.
+  pack-data / unpack-data  this slot's data as uint16 pieces for the way back, and back into train/heldout.npz.
+  bench    plain vs DSpark vs DFlash greedy decode tok/s on the held-out prompts (the project's decode loop).
 
-Usage: python gpu_distill.py all --model DIR --work DIR [--gen-seconds S] [--train-seconds S]
+Usage: python gpu_distill.py PHASE --model DIR --work DIR [...]
 """
 
 from __future__ import annotations
@@ -284,7 +290,8 @@ def data(a: argparse.Namespace, work: Path) -> None:
 
     chat = Chat(Path(a.model))
     held = heldout()
-    held_texts = [p["prompt"] for p in held]
+    held_texts = [p["prompt"] for p in held]  # all 30 stay out of the training prompts
+    held_eval = held_texts[: a.heldout] if a.heldout else held_texts
     keep = prompt_mix.HeldoutFilter(held_texts)
     if (work / "diag.json").is_file() and not a.smoke:
         a.gen_batch = int(json.loads((work / "diag.json").read_text()).get("best_batch", a.gen_batch))
@@ -324,7 +331,7 @@ def data(a: argparse.Namespace, work: Path) -> None:
         return out
 
     # Held-out greedy responses: evaluation only (teacher-forced τ), never training.
-    held_ids = [chat.encode([{"role": "user", "content": t}]) for t in held_texts]
+    held_ids = [chat.encode([{"role": "user", "content": t}]) for t in held_eval]
     held_out = gen(held_ids, [0.0] * len(held_ids), a.max_new, None)
     _save_seqs(
         work / "heldout.npz",
@@ -398,106 +405,241 @@ def data(a: argparse.Namespace, work: Path) -> None:
 # train ------------------------------------------------------------------------------------------------------
 
 SHIPPED = Path(__file__).resolve().parents[1] / "adapters" / "hf" / "drafters_data" / "default"
+# Shapes: kind, layers, block size. `init` continues a shipped drafter (same shape, fresh optimizer); with `grow`
+# the shipped weights start a larger drafter (more layers, a longer block, more target layers) that computes the
+# shipped drafter's function at step 0. `lr` replaces --lr; any other key is a TrainPlan field (kl_weight, ...).
 VARIANTS: dict[str, dict[str, Any]] = {
-    "dspark-l1": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192},
-    "dspark-l2": {"kind": "dspark", "layers": 2, "block_size": 7, "draft_vocab": 8192},
-    "dspark-l3": {"kind": "dspark", "layers": 3, "block_size": 7, "draft_vocab": 8192},
-    "dflash-l1": {"kind": "dflash", "layers": 1, "block_size": 8, "draft_vocab": 8192},
-    "dflash-l2": {"kind": "dflash", "layers": 2, "block_size": 8, "draft_vocab": 8192},
-    "dflash-l3": {"kind": "dflash", "layers": 3, "block_size": 8, "draft_vocab": 8192},
-    # The shipped drafters, continued with this slot's data (same shape and vocabulary, fresh optimizer).
-    "dspark-l1c": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192, "init": "dspark"},
-    "dflash-l1c": {"kind": "dflash", "layers": 1, "block_size": 8, "draft_vocab": 8192, "init": "dflash"},
-    # A second pass in the same slot: this slot's own checkpoints, continued.
-    "dspark-l1cc": {"kind": "dspark", "layers": 1, "block_size": 7, "draft_vocab": 8192, "again": "dspark-l1c"},
-    "dflash-l3c": {"kind": "dflash", "layers": 3, "block_size": 8, "draft_vocab": 8192, "again": "dflash-l3"},
+    "dspark-l1": {"kind": "dspark", "layers": 1, "block_size": 7},
+    "dspark-l3": {"kind": "dspark", "layers": 3, "block_size": 7},
+    "dspark-l5": {"kind": "dspark", "layers": 5, "block_size": 7},
+    "dflash-l1": {"kind": "dflash", "layers": 1, "block_size": 8},
+    "dflash-l3": {"kind": "dflash", "layers": 3, "block_size": 8},
+    # The shipped drafters continued with this slot's data.
+    "dspark-l1c": {"kind": "dspark", "layers": 1, "block_size": 7, "init": "dspark"},
+    "dflash-l3c": {"kind": "dflash", "layers": 3, "block_size": 8, "init": "dflash"},
+    # Soft targets against the control above: the same run with KL to the target's distribution.
+    "dflash-l3c-kl": {"kind": "dflash", "layers": 3, "block_size": 8, "init": "dflash", "kl_weight": 0.5},
+    "dspark-l1c-kl": {"kind": "dspark", "layers": 1, "block_size": 7, "init": "dspark", "kl_weight": 0.5},
+    "dspark-l1c-g2": {"kind": "dspark", "layers": 1, "block_size": 7, "init": "dspark", "loss_gamma": 2.0},
+    # The seed's sizes, grown from the shipped drafters (they start at the shipped τ instead of from scratch).
+    # Their added layers start at zero and have all to learn: a higher peak than the continued runs' 5e-4.
+    "dspark-l3g": {"kind": "dspark", "layers": 3, "block_size": 7, "init": "dspark", "grow": True, "lr": 8e-4},
+    "dspark-l5g": {"kind": "dspark", "layers": 5, "block_size": 7, "init": "dspark", "grow": True, "lr": 8e-4},
+    "dflash-b16g": {"kind": "dflash", "layers": 3, "block_size": 16, "init": "dflash", "grow": True, "lr": 6e-4},
+    "dspark-f8g": {
+        "kind": "dspark",
+        "layers": 1,
+        "block_size": 7,
+        "init": "dspark",
+        "grow": True,
+        "target_layers": (1, 5, 8, 11, 14, 18, 21, 27),
+    },
 }
+SHAPE_KEYS = ("kind", "layers", "block_size", "init", "lr")
 
 
-def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
-    import attrs
-    import mlx.core as mx
+class _SlotTokenizer:
+    """What the training use case reads of a tokenizer when the data is already made: the EOS ids."""
 
-    from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
-    from mlx_dspark.application.training import TrainPlan, _auto_layers, model_card
+    def __init__(self, eos: list[int]) -> None:
+        self.eos_ids = frozenset(eos)
 
-    model = load_target(Path(a.model), a.dtype)
-    train, _ = load_seqs(work / "train.npz")
-    held, _ = load_seqs(work / "heldout.npz")
+
+def _plan(a: argparse.Namespace, work: Path, name: str) -> Any:
+    from mlx_dspark.application.training import TrainPlan, _auto_layers
+
     v = VARIANTS[name]
-    plan = TrainPlan(
+    extra = {k: x for k, x in v.items() if k not in SHAPE_KEYS}
+    return TrainPlan(
         kind=v["kind"],
         layers=v["layers"],
         block_size=v["block_size"],
-        target_layers=_auto_layers(30),
+        target_layers=tuple(extra.pop("target_layers", _auto_layers(30))),
         mask_token_id=16,
-        draft_vocab=v["draft_vocab"],
+        draft_vocab=8192,
         markov_rank=32,
-        always_draft=(0, 2),
-        lr=a.lr,
+        lr=v.get("lr", a.lr),
         epochs=100,
         batch=a.batch,
         anchors=a.anchors,
         time_budget_s=a.train_seconds,
+        stop_after_s=a.call_seconds,
         seed=a.seed,
-        checkpoint_every=10**9,
+        checkpoint_every=a.checkpoint_every,
         log_every=100,
-        eval_every=0,
+        eval_every=a.eval_every,
         save_dtype="bfloat16",
-        compile=True,
-        init_from=str(SHIPPED / v["init"]) if "init" in v else str(work / v["again"]) if "again" in v else None,
+        compile=not a.no_compile,
+        compute_dtype=a.compute_dtype,
+        profile_steps=a.profile_steps,
+        init_from=str(SHIPPED / v["init"]) if "init" in v else None,
+        **extra,
     )
-    t0 = time.perf_counter()
 
-    class _T:
-        handle = model
+
+def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
+    """One variant through the training use case (`application/training.py`: plan, checks, card, trainer),
+    resumed from `work/NAME/training/` when an earlier call left it; the data is this slot's own."""
+    import signal
+
+    import attrs
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
+    from mlx_dspark.application.training import DataOptions, TrainRequest, train_drafter
+    from mlx_dspark.domain.model import TrainingTarget
+
+    def stop(_sig: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # `timeout` ends the call: checkpoint and leave, the next call resumes
+
+    signal.signal(signal.SIGTERM, stop)
+    t0 = time.perf_counter()
+    model = load_target(Path(a.model), a.dtype)
+    train, tags = load_seqs(work / "train.npz")
+    held, _ = load_seqs(work / "heldout.npz")
+    chat_eos = [int(t) for t in json.loads((Path(a.model) / "config.json").read_text())["eos_token_id"]]
+    target = TrainingTarget(
+        name="default",
+        identity="smollm2-135m-q4_1",
+        tokenizer=_SlotTokenizer(chat_eos),
+        handle=model,
+        tokenizer_size=49152,
+    )  # type: ignore[arg-type]
+    counts: dict[str, int] = {}
+    for t in tags:
+        src = t.split(":")[0]
+        counts[src] = counts.get(src, 0) + 1
+    note = (
+        f"{len(train)} target responses generated in this slot (bf16 target on one H200, lock-step generator; "
+        f"by source: {', '.join(f'{k} {n}' for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))})"
+    )
 
     def progress(p: Any) -> None:
         log(work, name, {k: (round(x, 4) if isinstance(x, float) else x) for k, x in p.items()})
 
-    note = (
-        f"{a.samples}+ mixed prompts (built-in templates, math, code, tool-use, agent system prompts, "
-        f"self-instruct, multi-turn), responses by the target in bf16 on one H200"
-    )
-
-    def train_with(plan: Any) -> dict[str, Any]:
-        return MlxDrafterTrainer(lambda _n: _T()).train(
-            _T(),
-            plan,
-            train,
-            held,
-            out_dir=str(work / name),
-            resume=False,
-            card=lambda f: model_card("default", note, f, None),
-            progress=progress,
+    def run(plan: Any) -> dict[str, Any]:
+        request = TrainRequest(
+            target="default",
+            out=str(work / name),
+            plan=plan,
+            data=DataOptions(),
+            resume=True,
+            sequences=(train, held),
+            data_note=note,
         )
+        trainer = MlxDrafterTrainer(lambda _n: target)
+        return dict(train_drafter(trainer, request, say=lambda m: log(work, name, m), on_progress=progress))
 
+    plan = _plan(a, work, name)
+    if a.deadline:
+        # Every variant of the call stops at the same moment (equal device time), whatever its start-up took.
+        plan = attrs.evolve(plan, stop_after_s=max(5.0, a.deadline - time.time() - 5.0))
+    log(work, name, "loaded in", round(time.perf_counter() - t0, 1), "s;", len(train), "sequences;", plan.stop_after_s)
     try:
-        facts = train_with(plan)
+        facts = run(plan)
+    except KeyboardInterrupt:  # outside the training loop: the last checkpoint (if any) stands, the next call resumes
+        log(work, name, "interrupted outside the training loop; the last checkpoint stands")
+        return
     except Exception as exc:  # a compile failure must not cost the slot: the same run, uncompiled
         import traceback
 
         log(work, name, "compiled run failed, retrying uncompiled:", repr(exc), traceback.format_exc()[-1500:])
-        left = max(60.0, a.train_seconds - (time.perf_counter() - t0))
-        plan = attrs.evolve(plan, compile=False, time_budget_s=left)
-        facts = train_with(plan)
+        left = (a.deadline - time.time() - 5.0) if a.deadline else (a.call_seconds or a.train_seconds)
+        facts = run(attrs.evolve(plan, compile=False, stop_after_s=max(5.0, left - (time.perf_counter() - t0))))
     facts = {k: x for k, x in facts.items() if k != "config"}
     facts["wall_s"] = time.perf_counter() - t0
-    facts["block_tokens_per_s"] = facts["block_tokens"] / max(1e-9, facts.get("train_seconds") or 1)
     facts["device"] = str(mx.default_device())
+    facts["variant"] = {k: x for k, x in VARIANTS[name].items()}
     (work / name / "facts.json").write_text(json.dumps(facts, default=str))
-    log(work, name, "done", json.dumps(facts, default=str)[:600])
+    log(work, name, "done", json.dumps({k: facts.get(k) for k in ("steps", "total_steps", "tau_estimate")}))
 
 
 def train(a: argparse.Namespace, work: Path) -> None:
+    """Every variant in its own process, side by side on the one GPU (equal wall time), then the curve."""
+    import signal
+
     procs = []
     for name in a.variants.split(","):
         cmd = [sys.executable, __file__, "train-one", "--variant", name, *sys.argv[2:]]
-        out = (work / f"{name}.log").open("w")
+        out = (work / f"{name}.log").open("a")
         procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+
+    def forward(sig: int, _frame: Any) -> None:  # `timeout` ends the call: every run checkpoints and leaves
+        for p in procs:
+            p.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
     for p in procs:
         p.wait()
     log(work, "train: exit codes", [p.returncode for p in procs])
+    curve(a, work)
+
+
+def curve(a: argparse.Namespace, work: Path) -> None:
+    """The learning-curve rows of this slot (`curve.json`): per variant, τ on the held-out responses against
+    block tokens and training seconds at every evaluation, with the run's throughput and profile."""
+    rows = []
+    data = json.loads((work / "data.json").read_text()) if (work / "data.json").is_file() else {}
+    for name in a.variants.split(","):
+        f = work / name / "facts.json"
+        if not f.is_file():
+            rows.append({"variant": name, "missing": True})
+            continue
+        facts = json.loads(f.read_text())
+        rows.append(
+            {
+                "variant": name,
+                **{k: facts.get(k) for k in ("steps", "total_steps", "block_tokens", "tau_estimate", "finished")},
+                "slot_accuracy": facts.get("slot_accuracy"),
+                "curve": facts.get("curve"),
+                "block_tokens_per_s": facts.get("block_tokens_per_s"),
+                "profile": facts.get("profile"),
+                "continued_from": facts.get("continued_from"),
+                "spec": VARIANTS[name],
+            }
+        )
+    doc = {"slot": a.slot, "data": data, "batch": a.batch, "anchors": a.anchors, "rows": rows}
+    (work / "curve.json").write_text(json.dumps(doc, indent=1, default=str))
+    log(work, "curve", json.dumps([(r["variant"], r.get("tau_estimate"), r.get("block_tokens")) for r in rows]))
+
+
+def profile(a: argparse.Namespace, work: Path) -> None:
+    """Each variant alone for a few dozen steps (no other run on the GPU): block tokens/s, steps/s and the split
+    between the target-side forward and the drafter step, per compute dtype; nothing is kept."""
+    import shutil
+
+    import attrs
+
+    from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
+
+    class _Target:
+        handle = load_target(Path(a.model), a.dtype)
+
+    train_seqs, _ = load_seqs(work / "train.npz")
+    held, _ = load_seqs(work / "heldout.npz")
+    report = {}
+    for name in a.variants.split(","):
+        for dtype in a.profile_dtypes.split(","):
+            plan = attrs.evolve(
+                _plan(a, work, name),
+                compute_dtype=dtype,
+                profile_steps=a.profile_steps or 20,
+                max_steps=8 + 2 * (a.profile_steps or 20) + 1,
+                time_budget_s=None,
+                stop_after_s=None,
+                eval_every=0,
+                checkpoint_every=10**9,
+            )
+            out = work / f"profile-{name}-{dtype}"
+            t0 = time.perf_counter()
+            plan = attrs.evolve(plan, always_draft=(0, 2))
+            facts = MlxDrafterTrainer(lambda _n: _Target()).train(
+                _Target(), plan, train_seqs[:20000], held[:4], out_dir=str(out), resume=False, card=str
+            )
+            report[f"{name}/{dtype}"] = {**(facts.get("profile") or {}), "wall_s": time.perf_counter() - t0}
+            log(work, "profile", name, dtype, report[f"{name}/{dtype}"])
+            shutil.rmtree(out, ignore_errors=True)
+    (work / "profile.json").write_text(json.dumps(report, indent=1))
 
 
 # bench ------------------------------------------------------------------------------------------------------
@@ -508,7 +650,7 @@ def bench(a: argparse.Namespace, work: Path) -> None:
 
     from mlx_dspark.adapters.mlx.drafters import load_drafter
     from mlx_dspark.adapters.mlx.target import MlxTargetModel
-    from mlx_dspark.application.decode_loop import decode
+    from mlx_dspark.application.engine import decode
     from mlx_dspark.domain.costmodel.draft_cap import FixedCap
     from mlx_dspark.domain.events import RoundFinished, TokensCommitted
     from mlx_dspark.domain.tokens import SamplingParams, StopRule
@@ -580,9 +722,53 @@ def bench(a: argparse.Namespace, work: Path) -> None:
     log(work, "bench", summary)
 
 
+def pack_data(a: argparse.Namespace, work: Path) -> None:
+    """This slot's data for the way back (a later slot can train on it without generating): the token ids as
+    uint16 in one compressed npz, cut into <= 15 MiB pieces (`cat data.npz.* > data.npz` joins them)."""
+    import io
+
+    out = Path(a.pack_to)
+    buf = io.BytesIO()
+    parts = {}
+    for name in ("train", "heldout"):
+        z = np.load(work / f"{name}.npz")
+        parts.update({f"{name}_{k}": z[k] for k in z.files})
+        parts[f"{name}_ids"] = z["ids"].astype(np.uint16)  # the vocabulary (49,152) fits
+    np.savez_compressed(buf, **parts)
+    blob, piece = buf.getvalue(), 15 << 20
+    for i in range(0, len(blob), piece):
+        (out / f"data.npz.{i // piece}").write_bytes(blob[i : i + piece])
+    log(work, "pack-data:", len(blob), "bytes in", -(-len(blob) // piece), "pieces")
+
+
+def unpack_data(a: argparse.Namespace, work: Path) -> None:
+    """The inverse of pack_data: train.npz and heldout.npz in --work from a joined data.npz (--data-file)."""
+    z = np.load(a.data_file)
+    for name in ("train", "heldout"):
+        keys = [k for k in z.files if k.startswith(name + "_")]
+        arrays = {k[len(name) + 1 :]: z[k] for k in keys}
+        arrays["ids"] = arrays["ids"].astype(np.int32)
+        np.savez(work / f"{name}.npz", **arrays)
+
+
+PHASES = {
+    "diag": diag,
+    "data": data,
+    "train": train,
+    "profile": profile,
+    "curve": curve,
+    "bench": bench,
+    "pack-data": pack_data,
+    "unpack-data": unpack_data,
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=("diag", "data", "train", "train-one", "bench", "all", "export"))
+    p.add_argument(
+        "phase",
+        choices=(*PHASES, "train-one", "all", "export"),
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--work", default="work")
     p.add_argument("--gguf")
@@ -605,21 +791,33 @@ def main() -> None:
     )
     p.add_argument("--diag-batches", default="256,512,1024")
     p.add_argument("--diag-exact", type=int, default=1, help="0 skips the exactness checks (done in an earlier slot)")
-    p.add_argument("--train-seconds", type=float, default=420)
-    p.add_argument("--variants", default="dspark-l1,dspark-l2,dflash-l1,dflash-l2")
+    p.add_argument("--train-seconds", type=float, default=420, help="training seconds of the whole run (all calls)")
+    p.add_argument("--call-seconds", type=float, help="this call's training seconds; the next call resumes")
+    p.add_argument("--deadline", type=float, help="epoch seconds at which this call's runs stop (all at once)")
+    p.add_argument("--pack-to", help="pack-data: the folder that comes back")
+    p.add_argument("--data-file", help="unpack-data: a joined data.npz from an earlier slot")
+    p.add_argument("--heldout", type=int, default=0, help="data: held-out responses to write (0 = all 30)")
+    p.add_argument("--variants", default="dspark-l1c,dflash-l3c")
     p.add_argument("--variant")
-    p.add_argument("--bench-drafters", default="dspark-l1,dspark-l2,dflash-l1,dflash-l2")
+    p.add_argument("--bench-drafters", default="dspark-l1c,dflash-l3c")
     p.add_argument("--bench-seconds", type=float, default=150)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=48)
     p.add_argument("--anchors", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out τ points of the curve")
+    p.add_argument("--compute-dtype", default="float32", help="drafter forward/backward: float32 or bfloat16")
+    p.add_argument("--profile-steps", type=int, default=20, help="steps timed part by part in each run")
+    p.add_argument("--profile-dtypes", default="float32,bfloat16", help="the profile phase's compute dtypes")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--slot", type=int, default=3, help="this slot's number in the campaign (the curve's rows)")
     p.add_argument("--dtype", default="bfloat16", help="target compute dtype for data, training and bench")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU run of every phase")
     a = p.parse_args()
     if a.smoke:
-        from mlx_dspark.application import bootstrap
+        from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
 
-        bootstrap.runtime().prepare()  # the optimized CPU BLAS, as every CPU entrypoint does
+        ensure_fast_blas()  # the optimized CPU BLAS, as every CPU entrypoint does (before mlx.core loads)
     if a.phase == "export":
         export_target(a.gguf, a.model)
         return
@@ -633,7 +831,7 @@ def main() -> None:
     for ph in phases:
         log(work, "phase", ph)
         try:
-            {"diag": diag, "data": data, "train": train, "bench": bench}[ph](a, work)
+            PHASES[ph](a, work)
             import gc
 
             import mlx.core as mx

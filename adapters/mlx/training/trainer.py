@@ -922,9 +922,12 @@ class _Run:
             interrupted = True
         self._collect()
         elapsed = time.perf_counter() - t_start
-        tau, per_slot = self.evaluate()
-        self._point(tau, elapsed)
         self.seconds_done += elapsed
+        if interrupted:
+            self.save(interrupted=True, finished=False)  # the checkpoint first: a second interrupt may follow
+        tau, per_slot = self.evaluate()
+        if not (self.curve and self.curve[-1]["step"] == self.step):
+            self._point(tau, 0.0)
         facts = self.save(
             interrupted=interrupted,
             finished=self.step >= self.total_steps,

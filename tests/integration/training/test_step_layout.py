@@ -307,3 +307,11 @@ def test_a_compiled_run_on_a_time_budget_settles_its_step_count_and_finishes(mod
     facts = run.run(resume=False)
     assert facts["finished"] and facts["steps"] == facts["total_steps"] >= 1
     assert len(run.history) == facts["steps"] and facts["curve"][-1]["step"] == facts["steps"]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_compiled_bfloat16_step_trains(model: Any, kind: str, tmp_path: Path) -> None:
+    run = _run(model, _plan(kind, max_steps=30, compile=True, compute_dtype="bfloat16"), tmp_path, _seqs(32))
+    run.run(resume=False)
+    losses = [h["loss"] for h in run.history]
+    assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5]), losses

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Device side of a drafter slot (scripts/slot_plan.md). Every call runs, in the repository root:
+#
+#   bash scripts/gpu_slot.sh recv build/slot/send/NN   stage one part (scripts/slot_prepare.sh); the last one joins
+#                                                     them: MLX CUDA into $HOME/mlx-site, the target into $HOME/target
+#   bash scripts/gpu_slot.sh data SECONDS             generate this slot's data (SECONDS of generation), pack it back
+#   bash scripts/gpu_slot.sh profile VARIANTS         each variant alone, float32 and bfloat16 compute (~1 min)
+#   bash scripts/gpu_slot.sh train CALL TOTAL VARIANTS  train side by side for CALL seconds of a TOTAL-second
+#                                                     schedule (resumes what an earlier call left), pack curve + logs
+#   bash scripts/gpu_slot.sh pack NAME...             checkpoints back (<= 15 MiB pieces) with the curve and logs
+#   bash scripts/gpu_slot.sh status                   what is staged and trained
+#
+# $HOME persists between calls while the machine stays warm; results go to $OUT. Environment overrides for a CPU dry
+# run: SLOT_HOME (instead of $HOME), SLOT_PYTHON (python3), SLOT_ARGS (extra gpu_distill arguments, e.g. --smoke).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+H=${SLOT_HOME:-$HOME}
+W=$H/work
+PY=${SLOT_PYTHON:-python3}
+EXTRA=${SLOT_ARGS:-}
+export PYTHONUNBUFFERED=1
+mkdir -p "$W" "${OUT:?OUT must name the folder that comes back}"
+
+# mlx_dspark.<layer> from this checkout (setup.py's mapping), MLX CUDA from the staged site.
+mkdir -p "$H/pkg/mlx_dspark"
+for d in domain adapters application entrypoints; do ln -sfn "$REPO/$d" "$H/pkg/mlx_dspark/$d"; done
+export PYTHONPATH=$H/pkg${PYTHONPATH:+:$PYTHONPATH}
+[ -f "$H/mlx-site/.ok" ] && export PYTHONPATH=$H/mlx-site:$PYTHONPATH
+distill() { "$PY" "$REPO/scripts/gpu_distill.py" "$@" --model "$H/target" --work "$W" $EXTRA; }
+
+pack_small() {  # the curve, the data summary and every log: always, first
+  [ -f "$W/curve.json" ] && cp "$W/curve.json" "$OUT/"
+  tar -czf "$OUT/logs.tgz" -C "$W" $(cd "$W" && ls log.txt ./*.log ./*.json 2>/dev/null | sed 's|^\./||') 2>/dev/null
+}
+
+pack_ckpt() {  # NAME: its published checkpoint, card and facts as <= 15 MiB pieces
+  local n=$1
+  [ -f "$W/$n/model.safetensors" ] || { echo "pack: no checkpoint $n" >&2; return 0; }
+  tar -cf "$W/$n.tar" -C "$W" "$n/config.json" "$n/model.safetensors" "$n/README.md" \
+    $(cd "$W" && ls "$n/facts.json" 2>/dev/null)
+  split -b 15M -d -a 1 "$W/$n.tar" "$OUT/$n.tar."
+  rm -f "$W/$n.tar"
+}
+
+check_out() {  # what comes back: at most 8 files, 16 MiB each, 64 MiB together
+  local files bytes
+  files=$(find "$OUT" -type f | wc -l); bytes=$(du -cb "$OUT"/* 2>/dev/null | tail -1 | cut -f1)
+  echo "OUT: $files files, $bytes bytes"; ls -la "$OUT"
+  [ "$files" -le 8 ] && [ "${bytes:-0}" -le $((64 * 1024 * 1024)) ] || echo "OUT OVER THE LIMITS: some files will not come back" >&2
+}
+
+case ${1:-status} in
+  recv)
+    src=$2; mkdir -p "$H/parts"; cp "$src"/* "$H/parts/"
+    if python3 "$REPO/scripts/gpu_parts.py" check "$H/parts"; then
+      if [ ! -d "$H/bundle" ]; then python3 "$REPO/scripts/gpu_parts.py" join "$H/parts" "$H/bundle" || exit 1; fi
+      ln -sfn "$H/bundle/target" "$H/target"
+      if [ -z "${SLOT_HOME:-}" ] || command -v nvidia-smi >/dev/null; then
+        (cd "$H/bundle/mlx" && HOME=$H bash a/stage.sh && HOME=$H bash b/install.sh) || exit 1
+        export PYTHONPATH=$H/mlx-site:$PYTHONPATH
+      fi
+      rm -rf "$H/parts"
+      "$PY" -c "import mlx.core as mx, mlx_lm; print('staged: mlx', mx.__version__, mx.default_device(), 'target', sorted(__import__('os').listdir('$H/target')))"
+      command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    fi
+    ;;
+  data)
+    secs=${2:-240}
+    # The generator stops starting prompts at SECONDS; loading, saving and packing take about a minute more.
+    timeout -k 20 $((secs + 240)) "$PY" "$REPO/scripts/gpu_distill.py" data --model "$H/target" --work "$W" \
+      --gen-seconds "$secs" --follow-seconds $((secs / 5)) --gen-batch 2048 --samples 120000 --self-instruct 12000 \
+      --follow-ups 20000 $EXTRA
+    distill pack-data --pack-to "$OUT"
+    pack_small; check_out
+    ;;
+  profile)
+    timeout -k 20 300 "$PY" "$REPO/scripts/gpu_distill.py" profile --model "$H/target" --work "$W" --variants "$2" $EXTRA
+    pack_small; check_out
+    ;;
+  train)
+    call=$2; total=$3; variants=$4; shift 4
+    deadline=$(( $(date +%s) + call ))
+    # Each run stops at the deadline on its own (checkpoint, τ, facts); `timeout` is the backstop: its SIGTERM is
+    # passed to every run, which checkpoints as well. Packing follows either way.
+    timeout -k 45 $((call + 150)) "$PY" "$REPO/scripts/gpu_distill.py" train --model "$H/target" --work "$W" \
+      --variants "$variants" --deadline "$deadline" --train-seconds "$total" "$@" $EXTRA
+    echo "train exit $?"
+    distill curve --variants "$variants"
+    pack_small; for n in ${PACK:-}; do pack_ckpt "$n"; done; check_out
+    ;;
+  pack)
+    shift; for n in "$@"; do pack_ckpt "$n"; done; pack_small; check_out
+    ;;
+  status)
+    ls -la "$H" "$W" 2>/dev/null; [ -f "$W/curve.json" ] && cat "$W/curve.json" | head -50
+    ;;
+  *) echo "unknown: $1" >&2; exit 2 ;;
+esac
