@@ -199,14 +199,12 @@ class Engine:
     def _start(self, task: Task | _Alone, make: Callable[[Row], StepJob]) -> None:
         active = _Active(task, self.backend.open())
         self._active.append(active)
-        try:
+
+        def start() -> None:
             active.job = make(active.row)
-            active.work = active.job.work()
-        except Exception as exc:  # the request's own error (context too long, a template that cannot render)
-            self._fail(active, exc)
-            return
-        if active.work is None:
-            self._end(active)
+
+        # The request's own errors (context too long, a template that cannot render) fail it alone.
+        self._then(active, start)
 
     def _row_service(self, row: Row) -> GenerationService:
         """The engine's service over `row`; a speculative mode's with the request's own source fork."""
@@ -276,20 +274,19 @@ class Engine:
 
     def _advance(self, active: _Active, result: Any) -> None:
         """Hand `active` the result of a prompt piece or a draft and read its next work (none: it has ended)."""
-        assert active.job is not None
-        try:
-            active.job.advance(result)
-            active.work = active.job.work()
-        except Exception as exc:
-            self._fail(active, exc)
-            return
-        if active.work is None:
-            self._end(active)
+        job = active.job
+        assert job is not None
+        self._then(active, lambda: job.advance(result))
 
     def _next(self, active: _Active) -> None:
         """After the commit: the row's next work, or its end."""
-        assert active.job is not None
+        self._then(active, lambda: None)
+
+    def _then(self, active: _Active, before: Callable[[], object]) -> None:
+        """Run `before` on the row's job, then read its next work: an error fails the row alone, no work ends it."""
         try:
+            before()
+            assert active.job is not None
             active.work = active.job.work()
         except Exception as exc:
             self._fail(active, exc)
