@@ -40,11 +40,12 @@ def _serving_step() -> tuple[type, str]:
 
 
 class Bomb:
-    """Makes one step of the serving loop raise while armed: the `at`-th armed step with two or more rows.
+    """Makes one step of the serving loop raise while armed: the `at`-th armed step with two or more rows (again
+    after `rearm`).
 
     Attributes:
-        fired: how many steps it failed (at most one).
-        fired_at: the monotonic time it did.
+        fired: how many steps it failed.
+        fired_at: the monotonic time it last did.
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int) -> None:
@@ -66,6 +67,10 @@ class Bomb:
             return original(engine)
 
         monkeypatch.setattr(owner, name, step)
+
+    def rearm(self) -> None:
+        """Fail the `at`-th armed step from now too."""
+        self.steps = 0
 
 
 class TickSink:
@@ -115,7 +120,9 @@ class ServerLog:
         return out
 
 
-def serve(mode: str, root: Path, sink: TickSink, *, prefix_cache_bytes: int, max_batch: int) -> Iterator[str]:
+def serve(
+    mode: str, root: Path, sink: TickSink, *, prefix_cache_bytes: int, max_batch: int, max_draft: str = "auto"
+) -> Iterator[str]:
     """A live server in `mode` over the tiny model (its base URL), shut down when the iteration ends."""
     settings = load_settings(
         {
@@ -125,6 +132,7 @@ def serve(mode: str, root: Path, sink: TickSink, *, prefix_cache_bytes: int, max
             "prefix_cache_bytes": str(prefix_cache_bytes),
             "keepalive_s": 0.25,  # streams queued behind others start early and send keep-alives
             "max_batch": max_batch,
+            "max_draft": max_draft,
         },
         environ={},
     )

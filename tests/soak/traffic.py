@@ -85,7 +85,8 @@ class Call:
 
     def describe(self) -> str:
         prompt = self.prompt if len(self.prompt) < 40 else f"{self.prompt[:20]}…({len(self.prompt)} chars)"
-        return f"{self.kind} {self.dialect} stream={self.stream} budget={self.budget} seed={self.seed} {prompt!r}"
+        stop = f" stop={list(self.stop)}" if self.stop else ""
+        return f"{self.kind} {self.dialect} stream={self.stream} budget={self.budget} seed={self.seed}{stop} {prompt!r}"
 
 
 @attrs.define
