@@ -57,7 +57,7 @@ class ServerSettings:
     """The server's address, auth and limits.
 
     Attributes:
-        api_key: required on every route but /health when set; never shown in a repr or a log.
+        api_key: required on every route but /health and a bare HEAD / when set; never shown in a repr or a log.
         cors_origins: browser origins allowed to call the API (besides the server's own pages).
         allowed_hosts: extra `Host` names to accept (e.g. behind a proxy); IP literals and localhost always pass.
         keepalive_s: seconds of engine silence before a stream sends a keep-alive event.

@@ -32,7 +32,9 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
     p.add_argument(
-        "--prefix-cache-bytes", help="memory for cached prompt prefixes: bytes, 512M, 2G, 0 = off (auto: 1/4 free)"
+        "--prefix-cache-bytes",
+        help="memory for cached prompt prefixes: bytes, 512M, 2G (0: reuse only what the model still holds; "
+        "auto: 1/4 free)",
     )
     p.add_argument("--prefix-cache-dir", help="spill cold prefix-cache entries here; reloaded after a restart")
     p.add_argument("--log-level", help="debug, info, warning, error")

@@ -18,7 +18,9 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--host", help="address to bind (default 127.0.0.1; anything else exposes the server)")
     p.add_argument("--port", type=int, help="port (default 8080)")
-    p.add_argument("--api-key", help="require this key (Bearer or x-api-key) on every route but /health")
+    p.add_argument(
+        "--api-key", help="require this key (Bearer or x-api-key) on every route but /health and a bare HEAD /"
+    )
     p.add_argument("--context-window", type=int, help="override the model's context window (tokens)")
     p.add_argument("--max-tokens-cap", type=int, help="cap every request's max_tokens")
     p.add_argument(
