@@ -26,6 +26,9 @@ from tests.integration.http.conftest import _serve
 from tests.soak.loader import NAME, TinyMlxLoader
 
 ENGINE_THREADS = "mlx-dspark-"  # the engine's thread, and any per-row thread a scheduler may start
+# The CPU kernels' worker pool: one per process, as many workers as cores, started by the first long prefill of any
+# server or test in the process; it belongs to no engine and no request.
+KERNEL_POOL = "mlx-dspark-attention"
 
 
 def _serving_step() -> tuple[type, str]:
@@ -150,17 +153,24 @@ def rss_bytes() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def engine_threads() -> list[str]:
-    """The names of the engine's live threads, sorted."""
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS) and t.is_alive())
+def engine_threads(since: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """The names of the engine's live threads, sorted, leaving out those in `since` (threads that were running
+    before the server under test started: other tests' engines share the process when the whole suite runs)."""
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(ENGINE_THREADS) and not t.name.startswith(KERNEL_POOL) and t.is_alive() and t not in since
+    )
 
 
-def drained(base: str, threads: list[str], timeout: float = 60.0) -> dict[str, Any]:
+def drained(
+    base: str, threads: list[str], timeout: float = 60.0, since: frozenset[threading.Thread] = frozenset()
+) -> dict[str, Any]:
     """The engine's status once nothing waits and only `threads` of the engine's are left, or as it is after
     `timeout` seconds (a server that never drains fails the caller's checks on it)."""
     deadline = time.monotonic() + timeout
     while True:
         status: dict[str, Any] = httpx.get(f"{base}/ui/api/status", timeout=10).json()
-        if (status["queue_depth"] == 0 and engine_threads() == threads) or time.monotonic() > deadline:
+        if (status["queue_depth"] == 0 and engine_threads(since) == threads) or time.monotonic() > deadline:
             return status
         time.sleep(0.05)

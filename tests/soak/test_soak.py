@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -94,25 +95,26 @@ def soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         with pytest.MonkeyPatch.context() as mp:
             bomb = Bomb(mp, at=random.Random(SEED).randrange(20, 60))
             root = tmp_path_factory.mktemp(f"soak-{mode}")
+            others = frozenset(threading.enumerate())
             for base in serve(mode, root, sink, prefix_cache_bytes=PREFIX_CACHE, max_batch=MAX_BATCH):
                 # Warm every dialect, batched widths and long prompts: the baseline the memory bound is against.
                 warm = traffic.plan(SEED + 1, 16, seeded=seeded)
                 warm = [c for c in warm if c.kind not in (traffic.HUGE, traffic.OVERSIZED)]
                 asyncio.run(traffic.run_traffic(base, warm, clients=MAX_BATCH))
-                threads = [t for t in engine_threads() if t == "mlx-dspark-engine"]
-                drained(base, threads)
-                threads_before = engine_threads()
+                threads = [t for t in engine_threads(others) if t == "mlx-dspark-engine"]
+                drained(base, threads, since=others)
+                threads_before = engine_threads(others)
                 rss_before = rss_bytes()
                 started = time.monotonic()
                 bomb.armed = True
                 outcomes = asyncio.run(traffic.run_traffic(base, traffic.plan(SEED, REQUESTS, seeded=seeded)))
                 bomb.armed = False
                 seconds = time.monotonic() - started
-                status = drained(base, threads_before)
+                status = drained(base, threads_before, since=others)
                 health = httpx.get(f"{base}/health", timeout=10)
                 metrics = httpx.get(f"{base}/metrics", timeout=10).text
                 rss_after = rss_bytes()
-                threads_after = engine_threads()
+                threads_after = engine_threads(others)
                 logged = log.requests()
                 solo = asyncio.run(traffic.replay(base, to_replay(outcomes)))
                 result = Soak(
