@@ -231,6 +231,26 @@ class BatchedPlainTarget:
             r.features = [state.features[:keep]]
         return keep
 
+    def keep_loaded(self, row: int, keep: int, *, capture: bool) -> int:
+        """Cut a row that `load_row` started, before its prompt, to its first `keep` rows; with `capture`, also
+        to the rows the state had features for (the serial target's `reset` rule: a drafter never starts
+        without the context of rows it was given). Returns the rows kept; at 0 the row is gone, as never
+        loaded, and `feed` starts it fresh."""
+        r = self._rows[row]
+        if r.joined or r.pending:
+            raise RuntimeError(f"row {row} is under way")
+        covered = int(r.features[0].shape[0]) if r.features else 0
+        if capture and self._captures:
+            keep = min(keep, covered)
+        have = r.caches[0].offset if r.caches else 0
+        keep = max(0, min(keep, have))
+        if keep == 0 or not cache_ops.can_cut(r.caches, have - keep):
+            del self._rows[row]
+            return 0
+        cache_ops.cut(r.caches, have - keep)
+        r.features = [r.features[0][:keep]] if covered else []
+        return keep
+
     def row_state(self, row: int, tokens: tuple[int, ...], features: mx.array | None) -> Any:
         """A state of `row`'s cached rows (`tokens`, and the features of all of them or None), copied out of
         the batch with its holes left out; None when the row does not hold exactly those rows."""

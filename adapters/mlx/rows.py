@@ -39,13 +39,16 @@ class MlxRow:
         self.capture = False  # whether this request reads target features (set by reset)
         self.fed: Prefill | None = None  # the prompt piece under way (the batch holds it, or the serial target)
         self.fed_at = 0  # tokens of it a lone row has prefilled
+        self._loaded = False  # holds a loaded state's rows that `reset` has not yet cut to what it keeps
 
-    def to_batched(self, unread: Any) -> None:
-        """The row now lives in the batch; its cached ids are the serial target's, and `unread` the features of
-        rows it committed there that no drafter has taken yet."""
+    def to_batched(self, read: Any, unread: Any) -> None:
+        """The row now lives in the batch; its cached ids are the serial target's, `read` the features of rows
+        its drafter already took there (its saved states keep them) and `unread` those it has not yet."""
         assert self.solo is not None
         self._ids = list(self.solo.cached_ids)
         self.solo = None
+        if read is not None:
+            self._taken.append((read, None))
         if unread is not None:
             self._features.append((unread, None))
 
@@ -69,9 +72,17 @@ class MlxRow:
         self.capture = capture
         if self.solo is not None:
             return self.solo.reset(keep, capture=capture)
-        if self._ids and keep != len(self._ids):  # only the rows a loaded state gave it (the prefix cache's)
+        if not self._loaded:
+            if self._ids and keep != len(self._ids):
+                raise RuntimeError("a batched row decodes one request")
+            return len(self._ids) if keep else 0
+        if keep > len(self._ids):
             raise RuntimeError("a batched row decodes one request")
-        return len(self._ids) if keep else 0
+        # The rows a loaded state gave it (the prefix cache's), cut as the serial target cuts its own.
+        self._loaded = False
+        kept = self._rows.batch.keep_loaded(self.id, keep, capture=capture)
+        del self._ids[kept:]
+        return kept
 
     def take_features(self) -> Any:
         if self.solo is not None:
@@ -112,6 +123,7 @@ class MlxRow:
         kept = batch.load_row(self.id, state, keep)
         if kept:
             self._ids = list(state.tokens[:kept])
+            self._loaded = True
         return kept
 
 
@@ -190,7 +202,7 @@ class MlxRows:
         serial = row.solo
         assert serial is not None
         self.batch.adopt(row.id, capture=row.capture)
-        row.to_batched(serial.take_features() if row.capture else None)
+        row.to_batched(*(serial.hand_over_features() if row.capture else (None, None)))
         self.migrations += 1
 
     def verify(self, calls: Mapping[Any, Verify]) -> dict[Any, Acceptance]:

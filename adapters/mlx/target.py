@@ -506,6 +506,19 @@ class MlxTargetModel:
         rows = unread[0] if len(unread) == 1 else mx.concatenate(unread, axis=0)
         return rows.astype(mx.float32)
 
+    def hand_over_features(self) -> tuple[mx.array | None, mx.array | None]:
+        """(features of the rows `take_features` already handed out, those of the rows it has not), float32,
+        for a row that moves into the batch: the first part stays in its saved states, the second goes to its
+        drafter. (None, None) when this request records none."""
+        if not self._recording:
+            return None, None
+        unread = self.take_features()
+        history = self._all_features()
+        if unread is None:
+            return None, None
+        read = history[: int(history.shape[0]) - int(unread.shape[0])].astype(mx.float32)
+        return (read if int(read.shape[0]) else None), unread
+
     # Internals ------------------------------------------------------------------------------------
 
     def _plain_step(self, anchor: int, sampling: SamplingParams, uniform: float, ahead: float | None) -> Acceptance:

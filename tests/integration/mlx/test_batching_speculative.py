@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from mlx_dspark.adapters.mlx import batched_target
@@ -487,3 +488,70 @@ def test_the_engine_thread_batches_concurrent_speculative_jobs() -> None:
     outs, batcher = engine_streams(lambda: service("dspark"), reqs)
     assert batcher is not None and batcher.widest > 1 and batcher.drafting_steps > 0
     assert outs == [solo("dspark", r).token_ids for r in reqs]
+
+
+def _cached_service() -> GenerationService:
+    from mlx_dspark.application.prefix_cache import PrefixCache
+
+    base = service("dspark")
+    return GenerationService(
+        base.model,
+        source=base.selector.source,  # type: ignore[attr-defined]
+        mode="dspark",
+        clock=FakeClock(),
+        telemetry=RecordingTelemetrySink(),
+        cap_policy_factory=lambda: FixedCap(BLOCK),
+        prefix_cache=PrefixCache(1 << 26),
+    )
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_row_that_moved_into_the_batch_saves_its_drafter_features_and_the_next_turn_drafts_as_alone(
+    sampled: bool,
+) -> None:
+    # Turn 1 starts alone on the serial target, and moves into the batch when a side request opens: its saved
+    # state must still carry the features its drafter took before the move. Turn 2 loads that state beside
+    # another request; its drafter must see its solo context, so its drafts (and a seeded row's tokens) are solo's.
+    # Before, the moved row saved no features and turn 2's drafter started blind (the soak's seeded finding).
+    gen = _cached_service()
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7) if sampled else SamplingParams()
+    turn1 = attrs.evolve(requests(1, sampled=False, seed=91, max_tokens=20)[0], sampling=sampling)
+    first = Job(turn1)
+    engine = run_batched(gen, [first, Job(requests(1, sampled=False, seed=92, max_tokens=30)[0])], join_every=4)
+    assert engine.widest == 2 and engine.migrations >= 1
+    cache = gen.prefix_cache
+    assert cache is not None
+    (saved,) = [e for e in cache.entries(gen.model.target.state_tag) if e.tokens[: len(turn1.prompt)] == turn1.prompt]
+    assert saved.handle.features is not None and saved.handle.features.shape[0] == len(saved.tokens)
+    turn2 = GenerationRequest(prompt=turn1.prompt + first.tokens() + (9, 10), max_tokens=16, sampling=sampling)
+    second = Job(turn2)
+    run_batched(gen, [Job(requests(1, sampled=False, seed=93, max_tokens=30)[0]), second], join_every=1)
+    assert second.result().cached_prompt_tokens >= len(turn1.prompt)
+    assert_like_solo(first, solo("dspark", turn1))
+    assert_like_solo(second, solo("dspark", turn2))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_loaded_state_without_features_is_not_kept_by_a_batched_row_whose_drafter_reads_them(
+    monkeypatch: pytest.MonkeyPatch, sampled: bool
+) -> None:
+    # A state saved without features (a cut row's, whose features no longer matched its rows) gives a drafter no
+    # context for its rows: a feature-reading batched row must prefill them, as the serial target's reset does,
+    # rather than decode over rows its drafter never saw.
+    original = batched_target.BatchedPlainTarget.row_state
+    monkeypatch.setattr(
+        batched_target.BatchedPlainTarget,
+        "row_state",
+        lambda self, row, tokens, features: original(self, row, tokens, None),
+    )
+    gen = _cached_service()
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11) if sampled else SamplingParams()
+    turn1 = attrs.evolve(requests(1, sampled=False, seed=94, max_tokens=12)[0], sampling=sampling)
+    first = Job(turn1)
+    run_batched(gen, [Job(requests(1, sampled=False, seed=95, max_tokens=30)[0]), first], join_every=1)
+    turn2 = GenerationRequest(prompt=turn1.prompt + first.tokens() + (9, 10), max_tokens=16, sampling=sampling)
+    second = Job(turn2)
+    engine = run_batched(gen, [Job(requests(1, sampled=False, seed=96, max_tokens=30)[0]), second], join_every=1)
+    assert engine.widest == 2
+    assert_like_solo(second, solo("dspark", turn2))
+    assert second.result().cached_prompt_tokens == 0
