@@ -107,7 +107,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.auto_mode import cap_policy_factory, measure_and_choose
-from mlx_dspark.application.bench import (
+from mlx_dspark.application.calibration import CalibrationPlan
+from mlx_dspark.application.data import heldout_prompts, interleaved
+from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
+from mlx_dspark.application.lab.bench import (
     BenchReport,
     BenchRun,
     auto_verdicts,
@@ -116,9 +119,6 @@ from mlx_dspark.application.bench import (
     summarize,
     synthetic_prompt,
 )
-from mlx_dspark.application.calibration import CalibrationPlan
-from mlx_dspark.application.data import heldout_prompts, interleaved
-from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource

@@ -8,9 +8,9 @@ Phases (each writes under --work; `all` runs diag, data, train, bench):
   diag     exactness of the lock-step generator on this device, bf16 vs f32 greedy agreement, generation
            throughput at B = 256 / 512 / 1024.
   data     self-instruct prompts written by the target, then responses (greedy and sampled) to the mixed
-           prompt set (`application/prompt_mix.py`), then multi-turn follow-ups; held-out prompts never enter.
+           prompt set (`application/lab/prompt_mix.py`), then multi-turn follow-ups; held-out prompts never enter.
   train    the variants side by side in parallel processes (equal wall time), each through the training use
-           case (`application/training.py` over `MlxDrafterTrainer`), resumed from what an earlier call left;
+           case (`application/lab/training.py` over `MlxDrafterTrainer`), resumed from what an earlier call left;
            every run stops at --deadline with a checkpoint; then `curve`.
   profile  each variant alone for a few dozen steps per compute dtype: block tokens/s, steps/s, and the
            split between the target-side forward and the drafter step.
@@ -134,7 +134,7 @@ class Chat:
 
 
 def heldout() -> list[dict[str, str]]:
-    from mlx_dspark.application.training import heldout_prompts
+    from mlx_dspark.application.lab.training import heldout_prompts
 
     return heldout_prompts()
 
@@ -278,15 +278,15 @@ def load_seqs(path: Path) -> tuple[list[tuple[list[int], int]], list[str]]:
 
 
 def _mixed(samples: int, seed: int, held_texts: list[str], queue: Any) -> None:
-    from mlx_dspark.application import prompt_mix
-    from mlx_dspark.application.training import builtin_conversations
+    from mlx_dspark.application.lab import prompt_mix
+    from mlx_dspark.application.lab.training import builtin_conversations
 
     queue.put(prompt_mix.mixed_conversations(samples, seed, held_texts, builtin=builtin_conversations(40000, seed)))
 
 
 def data(a: argparse.Namespace, work: Path) -> None:
     from mlx_dspark.adapters.mlx.training.generate import generate_responses
-    from mlx_dspark.application import prompt_mix
+    from mlx_dspark.application.lab import prompt_mix
 
     chat = Chat(Path(a.model))
     held = heldout()
@@ -446,7 +446,7 @@ class _SlotTokenizer:
 
 
 def _plan(a: argparse.Namespace, work: Path, name: str) -> Any:
-    from mlx_dspark.application.training import TrainPlan, _auto_layers
+    from mlx_dspark.application.lab.training import TrainPlan, _auto_layers
 
     v = VARIANTS[name]
     extra = {k: x for k, x in v.items() if k not in SHAPE_KEYS}
@@ -478,7 +478,7 @@ def _plan(a: argparse.Namespace, work: Path, name: str) -> Any:
 
 
 def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
-    """One variant through the training use case (`application/training.py`: plan, checks, card, trainer),
+    """One variant through the training use case (`application/lab/training.py`: plan, checks, card, trainer),
     resumed from `work/NAME/training/` when an earlier call left it; the data is this slot's own."""
     import signal
 
@@ -486,7 +486,7 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
     import mlx.core as mx
 
     from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
-    from mlx_dspark.application.training import DataOptions, TrainRequest, train_drafter
+    from mlx_dspark.application.lab.training import DataOptions, TrainRequest, train_drafter
     from mlx_dspark.domain.model import TrainingTarget
 
     def stop(_sig: int, _frame: Any) -> None:

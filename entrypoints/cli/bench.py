@@ -96,7 +96,7 @@ def _levels(spec: str, flag: str = "--concurrency", example: str = "1,2,4,8") ->
 
 def _prefill(args: argparse.Namespace, bar: ProgressBar) -> int:
     from mlx_dspark.application import bootstrap
-    from mlx_dspark.application.bench import BENCH_SCHEMA, prefill_json, run_prefill_bench
+    from mlx_dspark.application.lab.bench import BENCH_SCHEMA, prefill_json, run_prefill_bench
     from mlx_dspark.application.modes import build_generator
     from mlx_dspark.entrypoints.cli.bench_render import render_prefill
 
@@ -125,9 +125,9 @@ def _prefill(args: argparse.Namespace, bar: ProgressBar) -> int:
 
 def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
     from mlx_dspark.application import bootstrap
-    from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
     from mlx_dspark.application.data import interleaved, load_prompts
     from mlx_dspark.application.engine import forkable, speculates
+    from mlx_dspark.application.lab.bench_concurrency import render_concurrency, run_concurrency_modes
     from mlx_dspark.application.modes import bench_runners
     from mlx_dspark.domain.errors import InvalidRequest
 
@@ -174,7 +174,7 @@ def _concurrency(args: argparse.Namespace, bar: ProgressBar) -> int:
 
 def _reference_specs(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     """`--against` kinds and `--num-draft` counts, checked before any model loads."""
-    from mlx_dspark.application.references import DRAFT_REFERENCE, num_draft_values, reference_kinds
+    from mlx_dspark.application.lab.references import DRAFT_REFERENCE, num_draft_values, reference_kinds
     from mlx_dspark.domain.errors import InvalidRequest
 
     kinds = reference_kinds(args.against) if args.against else []
@@ -193,7 +193,7 @@ def _references(
 ) -> list[ReferenceDecoder]:  # fmt: skip
     """The reference decoders `--against` names: mlx-lm's plain decoding, then mlx-lm-draft at each count."""
     from mlx_dspark.application import bootstrap
-    from mlx_dspark.application.references import DRAFT_REFERENCE, load_draft_model
+    from mlx_dspark.application.lab.references import DRAFT_REFERENCE, load_draft_model
 
     out = [bootstrap.reference_decoder()] if "mlx-lm" in kinds else []
     if DRAFT_REFERENCE in kinds:
@@ -214,8 +214,8 @@ def main(argv: Sequence[str]) -> int:
         if args.prefill_lengths:
             return _prefill(args, bar)
         from mlx_dspark.application import bootstrap
-        from mlx_dspark.application.bench import report_json, run_bench, runner_curves
         from mlx_dspark.application.data import load_prompts, per_class
+        from mlx_dspark.application.lab.bench import report_json, run_bench, runner_curves
         from mlx_dspark.application.modes import bench_runners
         from mlx_dspark.entrypoints.cli.bench_render import PlotUnavailable, plot_report, render_table
 

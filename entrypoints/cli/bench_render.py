@@ -1,4 +1,4 @@
-"""Terminal and PNG renderings of a bench report (the use case in application/bench.py measures)."""
+"""Terminal and PNG renderings of a bench report (the use case in application/lab/bench.py measures)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_dspark.application.bench import BenchReport, ModeSummary, PrefillPoint
+from mlx_dspark.application.lab.bench import BenchReport, ModeSummary, PrefillPoint
 
 
 def _times(x: float | None) -> str:

@@ -33,7 +33,7 @@ def main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         from mlx_dspark.application.auto_mode import measure_and_choose
-        from mlx_dspark.application.bench import curves_json
+        from mlx_dspark.application.lab.bench import curves_json
         from mlx_dspark.application.modes import auto_candidates, parse_max_draft
         from mlx_dspark.domain.costmodel.curves import best_cap
 

@@ -140,7 +140,7 @@ def main(argv: Sequence[str]) -> int:
         import attrs
 
         from mlx_dspark.application import bootstrap
-        from mlx_dspark.application.training import DataOptions, TrainPlan, TrainRequest, train_drafter
+        from mlx_dspark.application.lab.training import DataOptions, TrainPlan, TrainRequest, train_drafter
 
         flags = {"model": args.target, "cache_dir": args.cache_dir, "log_level": args.log_level}
         settings = settings_from(argparse.Namespace(**flags))
@@ -219,8 +219,8 @@ def _measure(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     from pathlib import Path
 
     from mlx_dspark.application.generation import GenerationService
+    from mlx_dspark.application.lab.training import measure_drafter
     from mlx_dspark.application.modes import parse_max_draft
-    from mlx_dspark.application.training import measure_drafter
     from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 
     services = start(settings, quiet_logs=True)
@@ -268,7 +268,7 @@ def bootstrap_runtime() -> str:
 
 
 def _measured_section(measured: Mapping[str, Any]) -> str:
-    from mlx_dspark.application.training import model_card
+    from mlx_dspark.application.lab.training import model_card
 
     full = model_card("", "", {}, measured)
     return "\n## Measured" + full.split("\n## Measured", 1)[1]

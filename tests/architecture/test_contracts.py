@@ -64,6 +64,10 @@ PLANTS = {
     ),
     "Frameworks stay at the edge": ("adapters/telemetry/structlog_sink.py", "import litestar\n"),
     "No double import through the bare root folders": ("application/settings.py", "import domain.tokens\n"),
+    "The serving path does not use the lab": (
+        "application/chat_service.py",
+        "import mlx_dspark.application.lab.bench\n",
+    ),
 }
 
 

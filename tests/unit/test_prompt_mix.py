@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from mlx_dspark.application import prompt_mix
-from mlx_dspark.application.training import builtin_conversations, heldout_prompts
+from mlx_dspark.application.lab import prompt_mix
+from mlx_dspark.application.lab.training import builtin_conversations, heldout_prompts
 
 HELD = [p["prompt"] for p in heldout_prompts()]
 

@@ -14,10 +14,10 @@ import attrs
 import pytest
 
 from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory
-from mlx_dspark.application.bench import BENCH_SCHEMA, prefill_json, report_json, run_bench, run_prefill_bench
 from mlx_dspark.application.data import builtin_prompts, interleaved, load_prompts, per_class
 from mlx_dspark.application.engine import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationResult, GenerationService
+from mlx_dspark.application.lab.bench import BENCH_SCHEMA, prefill_json, report_json, run_bench, run_prefill_bench
 from mlx_dspark.application.ports import LoadedModel, ReferenceRun
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.errors import InvalidRequest

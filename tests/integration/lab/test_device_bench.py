@@ -17,8 +17,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from mlx_dspark.application.bench import BENCH_SCHEMA, synthetic_prompt
 from mlx_dspark.application.generation import MonotonicClock
+from mlx_dspark.application.lab.bench import BENCH_SCHEMA, synthetic_prompt
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.events import RoundFinished

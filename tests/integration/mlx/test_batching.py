@@ -321,7 +321,7 @@ def test_the_engine_thread_batches_concurrent_jobs() -> None:
 
 
 def test_concurrency_bench_measures_each_level_against_one_request() -> None:
-    from mlx_dspark.application.bench_concurrency import run_concurrency_modes
+    from mlx_dspark.application.lab.bench_concurrency import run_concurrency_modes
 
     gen = service("llama")
     points = run_concurrency_modes(

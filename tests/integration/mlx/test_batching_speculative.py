@@ -455,7 +455,7 @@ def test_while_rows_share_the_batch_its_plan_sets_every_adaptive_rows_cap() -> N
 
 
 def test_the_concurrency_bench_pairs_each_mode_with_plain_decoding_at_every_level() -> None:
-    from mlx_dspark.application.bench_concurrency import render_concurrency, run_concurrency_modes
+    from mlx_dspark.application.lab.bench_concurrency import render_concurrency, run_concurrency_modes
 
     spec = service("dspark")
     plain = GenerationService(spec.model, clock=FakeClock(), telemetry=RecordingTelemetrySink())

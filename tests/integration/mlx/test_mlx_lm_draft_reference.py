@@ -19,13 +19,13 @@ import pytest
 from mlx_dspark.adapters.mlx.mlx_lm_reference import MlxLmDraftReference, reference_speculative_generate
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application import bootstrap
-from mlx_dspark.application.ports import LoadedModel
-from mlx_dspark.application.references import (
+from mlx_dspark.application.lab.references import (
     check_shared_vocabulary,
     draft_model_name,
     num_draft_values,
     reference_kinds,
 )
+from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.errors import InvalidRequest

@@ -10,8 +10,8 @@ import pytest
 
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
+from mlx_dspark.application.lab.training import heldout_prompts
 from mlx_dspark.application.settings import load_settings
-from mlx_dspark.application.training import heldout_prompts
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.tokens import SamplingParams
 

@@ -35,7 +35,7 @@ from mlx_dspark.adapters.mlx.training.recipe import (
     response_window,
 )
 from mlx_dspark.adapters.mlx.training.trainer import _Run
-from mlx_dspark.application.training import TrainPlan
+from mlx_dspark.application.lab.training import TrainPlan
 from tests.fakes.tiny_models import VOCAB, tiny_model
 
 MASK = VOCAB - 1

@@ -19,8 +19,8 @@ from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
 from mlx_dspark.application.engine import decode
+from mlx_dspark.application.lab.training import TrainPlan
 from mlx_dspark.application.ports import TrainingTarget
-from mlx_dspark.application.training import TrainPlan
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from tests.fakes.clock import FakeClock

@@ -485,8 +485,8 @@ def measure_drafter(
         Acceptance per round (bonus counted, prefill token not) as the median over prompts and the mean, the
         speedup (median decode tok/s over the baseline's, both from this run) and the lossless count.
     """
-    from mlx_dspark.application.bench import BASELINE, run_bench
     from mlx_dspark.application.data import PromptSet
+    from mlx_dspark.application.lab.bench import BASELINE, run_bench
 
     held = heldout_prompts()
     prompts = PromptSet(
