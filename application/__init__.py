@@ -1,1 +1,1 @@
-"""Use cases, the decode loop, the engine thread, settings and the composition root (bootstrap)."""
+"""Use cases, the step engine and its thread, settings, the composition root (bootstrap), and the lab (`lab/`)."""

@@ -4,9 +4,9 @@ HTTP handlers never touch the model. A decode job (`submit_decode`) is a request
 engine (`step.py`) beside every other decoding request; its items travel to the caller's asyncio queue as
 `JobEvent`s through `loop.call_soon_threadsafe`. Cancelling a job (client disconnect) ends its row at the
 next step. Other work (`submit`) is a function of the engine's GenerationService returning an iterator:
-quick work (token counting) runs between two steps, so it never waits for a generation and the tokenizer is
-only ever used from this thread; exclusive work (a model switch, a race, a timing) waits until the decoding
-rows have finished and runs alone.
+quick work (token counting) runs between two steps, so it never waits for a generation (a server turn is
+rendered and tokenized in a worker thread before it is submitted: the tokenizer adapter serialises its calls);
+exclusive work (a model switch, a race, a timing) waits until the decoding rows have finished and runs alone.
 
 The queue is bounded (`max_queue` jobs waiting; one more is refused with `Overloaded`).
 
