@@ -199,7 +199,9 @@ def device_memory_bytes() -> int:
     """What the default device can hold: the GPU's memory, else the host's available memory."""
     with contextlib.suppress(AttributeError, RuntimeError, TypeError, ValueError):
         if mx.default_device().type == mx.gpu:
-            return int(mx.device_info().get("memory_size") or 0)
+            info = mx.device_info()
+            # Metal reports memory_size (an int); the CUDA build total_memory (a string of digits).
+            return int(info.get("memory_size") or info.get("total_memory") or 0)
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

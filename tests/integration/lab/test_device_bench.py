@@ -306,3 +306,17 @@ def test_runs_on_a_bare_host_without_tokenizer_libraries_or_an_install(
     assert [m["mode"] for m in doc["modes"]] == ["baseline", "lookup", "dspark"]
     assert all("error" not in m for m in doc["device_bench"]["modes"].values())
     assert all(r["forced"] for s in doc["synthetic"]["shapes"] for r in s["forced"])
+
+
+@pytest.mark.parametrize(
+    ("info", "expected"),
+    [({"memory_size": 96 << 30}, 96 << 30), ({"total_memory": "150754820096"}, 150754820096)],
+    ids=["metal", "cuda"],
+)
+def test_the_gpu_memory_is_read_from_either_backends_device_info(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, info: dict[str, Any], expected: int
+) -> None:
+    # The CUDA build names it total_memory, as a string: read as 0 there, every synthetic shape "did not fit".
+    monkeypatch.setattr(bench.mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(bench.mx, "device_info", lambda: info)
+    assert bench.device_memory_bytes() == expected

@@ -1,4 +1,5 @@
-"""The round-anatomy script runs on tiny shapes and reports every width's round three ways against a plain step."""
+"""The round-anatomy script runs on tiny shapes and reports every width's round (its build, dispatch, first and
+repeated pass, overlapped) against a plain step."""
 
 from __future__ import annotations
 
@@ -23,4 +24,5 @@ def test_round_anatomy_reports_each_width_against_the_plain_step(tmp_path: Path)
     assert result["plain_ms"] > 0 and [r["width"] for r in result["widths"]] == [1, 3]
     for r in result["widths"]:
         assert 0 < r["host_ms"] <= r["synced_ms"] and r["overlapped_ms"] > 0
+        assert 0 < r["dispatch_ms"] <= r["synced_ms"] and r["repeat_ms"] > 0  # each round dominates its parts
         assert r["ceiling_x"] > 0 and r["synced_x"] > 0

@@ -244,18 +244,7 @@ def test_the_engine_thread_batches_concurrent_auto_jobs() -> None:
 def test_a_batched_speculative_turn_reuses_and_saves_the_prefix_with_its_drafter_features() -> None:
     # Both turns run batched beside a side request: the first saves its rows (holes squeezed out) and features
     # out of the batch, the second loads them into its row and its drafter reads the loaded features.
-    from mlx_dspark.application.prefix_cache import PrefixCache
-
-    base = service("dspark")
-    gen = GenerationService(
-        base.model,
-        source=base.selector.source,  # type: ignore[attr-defined]
-        mode="dspark",
-        clock=FakeClock(),
-        telemetry=RecordingTelemetrySink(),
-        cap_policy_factory=lambda: FixedCap(BLOCK),
-        prefix_cache=PrefixCache(1 << 26),
-    )
+    gen = _cached_service()
     side = requests(2, sampled=False, seed=80, max_tokens=30)
     turn1 = requests(1, sampled=False, seed=81, max_tokens=12)[0]
     first = Job(turn1)
