@@ -60,7 +60,7 @@ case ${1:-status} in
         export PYTHONPATH=$H/mlx-site:$PYTHONPATH
       fi
       rm -rf "$H/parts"
-      "$PY" -c "import mlx.core as mx, mlx_lm; print('staged: mlx', mx.__version__, mx.default_device(), 'target', sorted(__import__('os').listdir('$H/target')))"
+      "$PY" -c "import mlx.core as mx, mlx_lm; print('staged: mlx', mx.__version__, mx.default_device(), 'target', sorted(__import__('os').listdir('$H/target')) if __import__('os').path.isdir('$H/target') else 'none (an MLX-only bundle)')"
       command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     fi
     ;;
