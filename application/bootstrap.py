@@ -159,6 +159,7 @@ def build_server(services: Services, settings: Settings | None = None) -> Server
     from mlx_dspark.adapters.storage.responses import MemoryResponseStore
     from mlx_dspark.application.engine import EngineThread
     from mlx_dspark.application.modes import build_generator
+    from mlx_dspark.application.warmup import WarmingServe, wanted
 
     settings = settings or services.settings
     chat = ChatService(services.families, settings.server)
@@ -168,7 +169,7 @@ def build_server(services: Services, settings: Settings | None = None) -> Server
         max_queue=settings.server.max_queue,
         max_batch=settings.server.max_batch,
         rows=rows_factory(),
-        on_serve=dashboard.served,
+        on_serve=WarmingServe(wanted(settings.server.warmup, runtime().compiles_kernels()), dashboard.served),
     )
     return Server(
         settings=settings,

@@ -148,6 +148,10 @@ class Runtime(Protocol):
         """The device and library version that key saved calibrations (measured costs hold only there)."""
         ...
 
+    def compiles_kernels(self) -> bool:
+        """Whether the default device compiles a kernel variant the first time it runs (a GPU), so a warm-up pays."""
+        ...
+
 
 class EmbeddedModels(Protocol):
     """The models that ship as pinned data-only wheels, installed on request."""

@@ -52,6 +52,16 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
+WARMUP_MODES = ("auto", "on", "off")
+
+
+def _warmup_mode(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in WARMUP_MODES:
+        raise InvalidRequest(
+            message=f"{attribute.name} must be one of {', '.join(WARMUP_MODES)}, got {value!r}", param=attribute.name
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The server's address, auth and limits.
@@ -63,6 +73,8 @@ class ServerSettings:
         keepalive_s: seconds of engine silence before a stream sends a keep-alive event.
         max_body_bytes: the largest request body accepted (413 above it).
         max_queue: requests waiting for the engine beyond the running one (429/529 above it).
+        warmup: run the mode's rounds once at every cap before the first request: "auto" where the device
+            compiles kernels on first use (a GPU), "on", or "off".
     """
 
     host: str = "127.0.0.1"
@@ -76,6 +88,7 @@ class ServerSettings:
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     max_queue: int = attrs.field(default=16, validator=_positive)
     max_batch: int = attrs.field(default=8, validator=_positive)  # 1 = one request at a time
+    warmup: str = attrs.field(default="auto", validator=_warmup_mode)
 
 
 def parse_bytes(value: str | int | None) -> int | None:

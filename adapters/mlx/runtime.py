@@ -31,3 +31,9 @@ class MlxRuntime:
         machine = f"{platform.system()} {platform.machine()} {platform.processor()} cpus={os.cpu_count()}"
         version = str(getattr(mx, "__version__", "unknown"))
         return {"device": f"{mx.default_device()} on {machine}", "mlx_version": version}
+
+    def compiles_kernels(self) -> bool:
+        """Metal and CUDA build kernels on first use (JIT, pipeline states); MLX's CPU backend does not."""
+        import mlx.core as mx
+
+        return bool(mx.default_device().type == mx.gpu)

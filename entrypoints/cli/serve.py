@@ -38,6 +38,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch", type=int, help="requests decoded together in one batched forward (default 8; 1 = one at a time)"
     )
+    p.add_argument(
+        "--warmup",
+        choices=["auto", "on", "off"],
+        help="run every cap's rounds once before the first request (default auto: where the GPU compiles kernels)",
+    )
     return p
 
 
