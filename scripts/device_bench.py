@@ -119,6 +119,7 @@ from mlx_dspark.application.lab.bench import (
     summarize,
     synthetic_prompt,
 )
+from mlx_dspark.application.warmup import warm_up
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
@@ -556,12 +557,14 @@ def run_real(
     drafter_bits: int | None = None,
     drafters: dict[str, Path] | None = None,
     smoke: bool = False,
+    warmup: bool = False,
     budget: Budget | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every mode on the model in `model_dir` through GenerationService; returns the bench document plus the
-    `device_bench` section (see the module docstring for the protocol)."""
+    `device_bench` section (see the module docstring for the protocol). With `warmup`, each mode first runs the
+    server's warm-up (`application.warmup`), so its first request is the one a served user's would be."""
     from mlx_dspark.adapters.mlx.drafters import load_drafter
 
     budget = budget or Budget(math.inf)
@@ -702,6 +705,10 @@ def run_real(
                     model, source=src, mode=mode, clock=clock, telemetry=telemetry, cap_policy_factory=factory
                 )
             entry["setup_s"] = now() - t0
+            if warmup:
+                done = warm_up(service)
+                entry["warmup"] = {"seconds": done.seconds, "requests": done.requests}
+                log(f"{mode}: warm-up of {done.requests} requests in {done.seconds:.1f}s")
             p = first_prompt(rest + seen_set, target.prompt_lengths)
             r = request(service, p)
             entry["first_request"] = _brief(p, r)
@@ -1311,6 +1318,7 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--prompts", type=int, default=3, help="held-out prompts seen once (one per class)")
             s.add_argument("--max-draft", default="7", help="an integer, or auto (the calibrated cap policy)")
             s.add_argument("--drafter-bits", type=int, default=None)
+            s.add_argument("--warmup", action="store_true", help="each mode runs the server's warm-up first")
             s.add_argument("--dspark", type=Path, help="DSpark checkpoint (default: the shipped one)")
             s.add_argument("--dflash", type=Path, help="DFlash checkpoint (default: the shipped one)")
             s.add_argument("--real-budget-seconds" if name == "all" else "--budget-seconds", type=float, default=210)
@@ -1365,6 +1373,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = now)
                 drafter_bits=args.drafter_bits,
                 drafters=drafters,
                 smoke=args.smoke,
+                warmup=args.warmup,
                 budget=Budget(seconds, clock),
                 on_progress=lambda d: save("real", d),
             )

@@ -264,6 +264,19 @@ def test_real_bench_runs_every_mode_through_the_generation_service(
     assert all(f"| {mode} |" in table.read_text() for mode in modes)
 
 
+def test_with_warmup_each_mode_runs_the_servers_warm_up_before_its_first_request(
+    bench: ModuleType, tiny_export: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "real.json"
+    args = ["real", "--model", str(tiny_export["model"]), "--model-dtype", "float32", "--max-tokens", "6"]
+    args += ["--prompts", "1", "--modes", "baseline,dspark", "--dspark", str(tiny_export["dspark"]), "--warmup"]
+    assert bench.main([*args, "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["device_bench"]["modes"]
+    assert modes["baseline"]["warmup"]["requests"] == 2  # greedy and seeded
+    assert modes["dspark"]["warmup"]["requests"] >= 2 and modes["dspark"]["warmup"]["seconds"] > 0
+    assert all("error" not in m and m["first_request"]["generated_tokens"] > 0 for m in modes.values())
+
+
 # The GPU host has MLX, mlx-lm and their own dependencies, attrs and numpy; not these, nor an installed mlx_dspark.
 BARE_HOST = """
 import runpy, sys
