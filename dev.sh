@@ -180,7 +180,7 @@ case "$cmd" in
     browser
     export MLX_DSPARK_REQUIRE_BROWSER=1  # a missing chromium fails the browser tier instead of skipping it
     "$VENV/bin/ruff" check .
-    "$VENV/bin/lint-imports"
+    "$VENV/bin/lint-imports" --no-cache  # a stale cache misses modules added since it was written
     "$VENV/bin/mypy" -p mlx_dspark.domain -p mlx_dspark.application
     exec "$VENV/bin/pytest" "$@"
     ;;
