@@ -19,6 +19,7 @@ from mlx_dspark.application.modes import build_generator
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings, load_settings
 from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.entrypoints.log_config import library_logging
 
 __all__ = ["GenerationDone", "GenerationResult", "SpeculativeModel", "TextChunk", "load"]
 
@@ -133,6 +134,7 @@ def load(
         services: pre-wired services (tests pass fakes through bootstrap.build).
         **settings: any other settings field (temperature, max_tokens, cache_dir, ...) as defaults.
     """
+    library_logging()
     flags = {"model": model, "mode": mode, "drafter": drafter, "max_draft": str(max_draft),
              "drafter_bits": drafter_bits, **settings}
     resolved = load_settings(flags)

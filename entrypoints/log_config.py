@@ -76,3 +76,24 @@ def configure_logging(settings: TelemetrySettings) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(max(level, logging.WARNING))
+
+
+def library_logging() -> None:
+    """The Python API's logging when its caller has configured none: warnings and errors on stderr, bounded.
+
+    structlog unconfigured prints every level to stdout, which from a library meant a debug line per decode
+    round in the caller's output. A caller who configured structlog keeps their configuration; the stdlib
+    root logger is never touched here (it is the application's, not a library's)."""
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            bound_values,
+            structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
