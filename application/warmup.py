@@ -21,17 +21,18 @@ from collections.abc import Callable, Iterator
 import attrs
 import structlog
 
+from mlx_dspark.application.engine import NoTelemetry
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.application.settings import WARMUP_MODES
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap
 from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector
-from mlx_dspark.domain.events import TelemetryEvent
 from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
 _log = structlog.get_logger("mlx_dspark.engine")
 _PROMPT = 48  # tokens: past the first prefill chunk shapes of a short chat turn, cheap on any device
 _SEED = 1234
+MAX_CAP = 16  # the largest cap warmed (each source's own block at most): DFlash's 16-token block drafts 15
 
 
 @attrs.frozen(kw_only=True)
@@ -41,11 +42,6 @@ class WarmUp:
     requests: int
     covered: tuple[tuple[str, int], ...]
     seconds: float
-
-
-class _Silent:
-    def emit(self, request_id: str, event: TelemetryEvent) -> None:
-        pass
 
 
 def wanted(setting: str, compiles_kernels: bool) -> bool:
@@ -86,19 +82,19 @@ def _fixed(cap: int) -> Callable[[], CapPolicy]:
     return lambda: FixedCap(cap)
 
 
-def warm_up(generator: GenerationService, *, max_cap: int = 8) -> WarmUp:
+def warm_up(generator: GenerationService, *, max_cap: int = MAX_CAP) -> WarmUp:
     """Run the served mode's rounds once at every cap up to `max_cap` (each source's own block at most)."""
     start = time.perf_counter()
     model = generator.model
     prompt = _prompt(model.target.vocab_size)
-    covered: list[tuple[str, int]] = []
+    covered: dict[tuple[str, int], None] = {}  # in order, each once (the seeded request repeats the top cap)
     count = 0
     for name, source in sources_of(generator).items():
         for cap, sampling in _requests(source, max_cap):
             service = GenerationService(
                 model,
                 clock=generator.clock,
-                telemetry=_Silent(),
+                telemetry=NoTelemetry(),
                 source=source,
                 mode=name if source is not None else PLAIN,
                 cap_policy_factory=None if source is None else _fixed(cap),
@@ -116,8 +112,7 @@ def warm_up(generator: GenerationService, *, max_cap: int = 8) -> WarmUp:
                 )
             )
             count += 1
-            if (name, cap) not in covered:
-                covered.append((name, cap))
+            covered[(name, cap)] = None
     return WarmUp(requests=count, covered=tuple(covered), seconds=time.perf_counter() - start)
 
 
@@ -131,7 +126,7 @@ class WarmingServe:
         max_cap: the largest cap to warm (each source's own block at most).
     """
 
-    def __init__(self, enabled: bool, then: Callable[[GenerationService], None], *, max_cap: int = 16) -> None:
+    def __init__(self, enabled: bool, then: Callable[[GenerationService], None], *, max_cap: int = MAX_CAP) -> None:
         self.enabled = enabled
         self._then = then
         self._max_cap = max_cap

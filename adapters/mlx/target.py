@@ -512,10 +512,9 @@ class MlxTargetModel:
         drafter. (None, None) when this request records none."""
         if not self._recording:
             return None, None
-        unread = self.take_features()
+        unread = self.take_features()  # not None: a request records only where layers are captured
+        assert unread is not None
         history = self._all_features()
-        if unread is None:
-            return None, None
         read = history[: int(history.shape[0]) - int(unread.shape[0])].astype(mx.float32)
         return (read if int(read.shape[0]) else None), unread
 

@@ -5,7 +5,7 @@
 from mlx_dspark.application.engine.jobs import JobEnded, JobEvent, JobFailed, JobItem, StepJob
 from mlx_dspark.application.engine.plan import TELEMETRY_ID, WidthPlan
 from mlx_dspark.application.engine.rows import Row, RowsBackend, SerialRows
-from mlx_dspark.application.engine.step import Engine, Task, decode, forkable, speculates
+from mlx_dspark.application.engine.step import Engine, NoTelemetry, Task, decode, forkable, speculates
 from mlx_dspark.application.engine.thread import (
     EngineDown,
     EngineJob,
@@ -28,6 +28,7 @@ __all__ = [
     "JobEvent",
     "JobFailed",
     "JobItem",
+    "NoTelemetry",
     "Prefill",
     "RequestDecoder",
     "Restart",

@@ -91,7 +91,9 @@ class _LaneSelector(FixedSelector):
         return attrs.evolve(selection, policy=self.gated(selection.policy))
 
 
-class _NoTelemetry:
+class NoTelemetry:
+    """A telemetry sink that drops every event (work nobody watches: the engine without a sink, a warm-up)."""
+
     def emit(self, request_id: str, event: TelemetryEvent) -> None:
         pass
 
@@ -160,7 +162,7 @@ class Engine:
         self._telemetry = service.telemetry if service is not None else None
         self._report = report_steps and self._telemetry is not None  # the batch's width, per step
         self.plan = WidthPlan(
-            self._telemetry or _NoTelemetry(), curves=curves, probe_every=probe_every, observed=observe_forwards
+            self._telemetry or NoTelemetry(), curves=curves, probe_every=probe_every, observed=observe_forwards
         )
         self._clock = (service.clock if service is not None else clock) if observe_forwards else None
         self._active: list[_Active] = []
