@@ -656,6 +656,7 @@ def run_real(
             "drafter_bits": drafter_bits,
             "load_s": load_s,
             "drafter_errors": errors,
+            "key_buckets": _key_buckets(),
             "protocol": (
                 "per mode: first = one request at a prompt length no request of this process had; then the "
                 f"{len(seen_set)} held-out prompts twice (seen_once = the second pass; bench `runs`); warm = the "
@@ -1226,13 +1227,23 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _key_buckets() -> bool | str:
+    """Whether this run's wide forwards attended over padded key buckets (MLX_DSPARK_KEY_BUCKETS)."""
+    try:
+        from mlx_dspark.adapters.mlx import key_buckets
+
+        return key_buckets.enabled()
+    except (ImportError, ValueError) as exc:
+        return repr(exc)
+
+
 def real_table(doc: dict[str, Any]) -> str:
     bench = doc.get("device_bench", {})
     speed = {m["mode"]: m for m in doc.get("modes", [])}
     lines = [
         f"Real model `{doc.get('model')}` ({bench.get('dtype')}), {doc.get('settings', {}).get('max_tokens')} "
-        f"tokens, cap {bench.get('max_draft') or 'measured'}; tok/s; per-round ms: medians of the marked (and "
-        "profiled) runs.",
+        f"tokens, cap {bench.get('max_draft') or 'measured'}, key buckets {bench.get('key_buckets')}; tok/s; "
+        "per-round ms: medians of the marked (and profiled) runs.",
         "",
         "| mode | first request | seen once (min-median-max) | warm | x plain (seen once) | accepted/round "
         "| round ms | host ms | readback ms | drafter device ms (profiled) | verify device ms (profiled) "

@@ -10,6 +10,8 @@ on the device (all drafts kept, so every round has the same shape as a fully acc
                measured 8.1 ms of it in a DSpark round against 2.7 ms in a plain step)
   synced_ms    a round as the engine runs one today: build, dispatch, read the verdict back, then the next round,
                over cache lengths no earlier round had
+  (each twice with --caches plain,bucketed: mlx-lm's caches, and the engine's key-bucketed ones, whose wide
+  forwards attend over a fixed key length per 256 rows: adapters/mlx/key_buckets.py)
   repeat_ms    the same rounds again over the same cache lengths (every shape seen once): what a per-shape cost
                (kernel JIT, graph instantiation) adds is synced_ms - repeat_ms
   overlapped   the next round built and dispatched from the device-side verdict before this one is read (the
@@ -39,6 +41,8 @@ import device_bench as db  # the stand-ins for a bare device host, the shapes an
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_dspark.adapters.mlx import caches  # importable once device_bench has mapped the checkout
+
 PROMPT = 64  # cached rows before the first round
 
 
@@ -47,8 +51,9 @@ def _forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
-def _fresh(model: Any, vocab: int) -> tuple[Any, mx.array]:
-    cache = make_prompt_cache(model)
+def _fresh(model: Any, vocab: int, bucketed: bool) -> tuple[Any, mx.array]:
+    # bucketed: the engine's key-bucketed caches (key_buckets) instead of mlx-lm's own
+    cache = caches.make_caches(model, buckets=True) if bucketed else make_prompt_cache(model)
     prompt = mx.arange(PROMPT, dtype=mx.int32) % vocab
     out = _forward(model, prompt, cache)
     mx.eval(out)
@@ -60,14 +65,14 @@ def _tokens(last: mx.array, width: int) -> mx.array:
     return mx.concatenate([last, last + mx.arange(1, width, dtype=mx.int32)]) if width > 1 else last
 
 
-def measure(model: Any, vocab: int, width: int, rounds: int) -> dict[str, float]:
+def measure(model: Any, vocab: int, width: int, rounds: int, bucketed: bool) -> dict[str, float]:
     """host, synced and overlapped ms per round of `width` tokens, and the pipelined plain step."""
     host: list[float] = []
     dispatch: list[float] = []
     synced: list[float] = []
     repeat: list[float] = []
     for timed in (synced, repeat):  # the second pass runs over the very same cache lengths
-        cache, last = _fresh(model, vocab)
+        cache, last = _fresh(model, vocab, bucketed)
         for _ in range(rounds):
             t0 = time.perf_counter()
             out = _forward(model, _tokens(last, width), cache)
@@ -80,7 +85,7 @@ def measure(model: Any, vocab: int, width: int, rounds: int) -> dict[str, float]
                 host.append(t1 - t0)
                 dispatch.append(t2 - t1)
             last = out[-1:]
-    cache, last = _fresh(model, vocab)
+    cache, last = _fresh(model, vocab, bucketed)
     out = _forward(model, _tokens(last, width), cache)
     mx.async_eval(out)
     t0 = time.perf_counter()
@@ -100,8 +105,8 @@ def measure(model: Any, vocab: int, width: int, rounds: int) -> dict[str, float]
     }
 
 
-def plain_ms(model: Any, vocab: int, steps: int) -> float:
-    cache, last = _fresh(model, vocab)
+def plain_ms(model: Any, vocab: int, steps: int, bucketed: bool) -> float:
+    cache, last = _fresh(model, vocab, bucketed)
     out = _forward(model, last, cache)
     mx.async_eval(out)
     t0 = time.perf_counter()
@@ -114,13 +119,13 @@ def plain_ms(model: Any, vocab: int, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def anatomy(model: Any, vocab: int, widths: Sequence[int], rounds: int) -> dict[str, Any]:
+def anatomy(model: Any, vocab: int, widths: Sequence[int], rounds: int, bucketed: bool) -> dict[str, Any]:
     for w in widths:  # first shapes compile and allocate: warm each once
-        measure(model, vocab, w, 3)
-    step = plain_ms(model, vocab, rounds)
+        measure(model, vocab, w, 3, bucketed)
+    step = plain_ms(model, vocab, rounds, bucketed)
     rows = []
     for w in widths:
-        m = measure(model, vocab, w, rounds)
+        m = measure(model, vocab, w, rounds, bucketed)
         rows.append(
             {
                 "width": w,
@@ -151,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--widths", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke run)")
+    p.add_argument("--caches", default="plain,bucketed", help="plain (mlx-lm's), bucketed (key_buckets), or both")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     dtype = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}[args.dtype]
@@ -165,12 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, build in targets:
         model = build()
         vocab = int(model.args.vocab_size) if hasattr(model.args, "vocab_size") else 1000
-        result = anatomy(model, vocab, widths, args.rounds)
-        doc["results"][name] = result
-        sys.stdout.write(table(name, result))
-        sys.stdout.flush()
-        if args.json:
-            args.json.write_text(json.dumps(doc, indent=1))
+        for kind in [c for c in args.caches.split(",") if c]:
+            result = anatomy(model, vocab, widths, args.rounds, kind == "bucketed")
+            doc["results"][f"{name}/{kind}"] = result
+            sys.stdout.write(table(f"{name}, {kind} caches", result))
+            sys.stdout.flush()
+            if args.json:
+                args.json.write_text(json.dumps(doc, indent=1))
         del model
         db.free_memory()
     return 0

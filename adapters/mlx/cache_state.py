@@ -52,7 +52,7 @@ def save(caches: list[Any], *, tag: str, tokens: tuple[int, ...], features: mx.a
     return MlxCacheState(
         tag=tag,
         tokens=tokens,
-        kinds=tuple(type(c).__name__ for c in leaves),
+        kinds=tuple(kind(c) for c in leaves),
         fields=fields,
         features=None if features is None else mx.array(features),
         nbytes=int(nbytes),
@@ -63,7 +63,7 @@ def save(caches: list[Any], *, tag: str, tokens: tuple[int, ...], features: mx.a
 def load(state: MlxCacheState, fresh: list[Any], keep: int) -> bool:
     """Fill the new caches `fresh` from `state`, cut to `keep` rows; False when that cannot be exact."""
     leaves = list(cache_ops.leaves(fresh))
-    if tuple(type(c).__name__ for c in leaves) != state.kinds:
+    if tuple(kind(c) for c in leaves) != state.kinds:
         return False
     for cache, saved in zip(leaves, state.fields):
         vars(cache).clear()
@@ -73,6 +73,12 @@ def load(state: MlxCacheState, fresh: list[Any], keep: int) -> bool:
         return False
     cache_ops.cut(fresh, drop)
     return True
+
+
+def kind(cache: Any) -> str:
+    """The name a state records for `cache`: the class whose fields it holds (a subclass may say it keeps its
+    base's, as `BucketedKVCache` does)."""
+    return str(getattr(type(cache), "state_kind", type(cache).__name__))
 
 
 def min_length(caches: list[Any], length: int) -> int:

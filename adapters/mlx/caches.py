@@ -20,16 +20,21 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from mlx_dspark.adapters.mlx import key_buckets
+
 # Caches whose rows are addressed by `offset` alone: trimming is exact by construction.
 _OFFSET_CUT = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 
 
-def make_caches(model: Any, kv_bits: int | None = None, kv_group_size: int = 64) -> list[Any]:
-    """The model's own fresh cache list, with plain KV caches quantized when `kv_bits` is set."""
+def make_caches(model: Any, kv_bits: int | None = None, kv_group_size: int = 64, *, buckets: bool = False) -> list[Any]:
+    """The model's own fresh cache list, with plain KV caches quantized when `kv_bits` is set, or else
+    attending in key buckets when `buckets` is set (`key_buckets`)."""
     caches = make_prompt_cache(model)
-    if kv_bits is None:
-        return caches
-    return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c for c in caches]
+    if kv_bits is not None:
+        return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c for c in caches]
+    if buckets:
+        return [key_buckets.BucketedKVCache() if type(c) is KVCache else c for c in caches]
+    return caches
 
 
 def leaves(caches: list[Any]) -> Iterator[Any]:

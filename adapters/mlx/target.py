@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state, cpu_kernels, forward_cost
+from mlx_dspark.adapters.mlx import cache_state, cpu_kernels, forward_cost, key_buckets
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, greedy_accept, pick_token
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
@@ -182,6 +182,7 @@ class MlxTargetModel:
         self._prefill_chunk = prefill_chunk
         self._kv_bits = kv_bits
         self._kv_group_size = kv_group_size
+        self._buckets = key_buckets.enabled()  # fixed per process: states move between the two cache kinds
         self._recorder = _Recorder()
         self._hub = self._install_taps()
         self._capture: tuple[int, ...] = ()
@@ -396,7 +397,7 @@ class MlxTargetModel:
         self._drop_ahead()
         if self._pending is not None:
             self.commit(0)
-        fresh = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
+        fresh = self._make_caches()
         if (
             not isinstance(state, cache_state.MlxCacheState)
             or state.tag != self.state_tag
@@ -591,11 +592,15 @@ class MlxTargetModel:
             return logits
         finally:
             self._recorder.active = False
+            key_buckets.disarm()
+
+    def _make_caches(self) -> list[Any]:
+        return cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size, buckets=self._buckets)
 
     def _fresh(self) -> None:
         self._ahead = None
         self._pending = None
-        self._caches = cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size)
+        self._caches = self._make_caches()
         self._plain = cache_ops.all_cut_by_offset(self._caches)
         self._offset = 0
         self._ids = []

@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from mlx_dspark.adapters.mlx import key_buckets
 from mlx_dspark.adapters.mlx.drafters.checkpoint import load_strict, prepare
 from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
 
@@ -307,6 +308,7 @@ class ContextCache:
     def __init__(self, backbone: DrafterBackbone) -> None:
         self._backbone = backbone
         self._cfg = backbone.config
+        self._buckets = key_buckets.enabled()  # blocks attend over whole buffers, masked (key_buckets)
         self.reset()
 
     def reset(self) -> None:
@@ -380,10 +382,10 @@ class ContextCache:
         used = self._len[i]
         keys, values = self._keys[i], self._values[i]
         if keys is None or values is None or used + n > keys.shape[2]:
-            grow = ((n + self._STEP - 1) // self._STEP) * self._STEP
+            rows = key_buckets.capacity(used + n) if self._buckets else used + -(-n // self._STEP) * self._STEP
             b, h, _, d = k.shape
-            new_k = mx.zeros((b, h, used + grow, d), dtype=k.dtype)
-            new_v = mx.zeros((b, h, used + grow, d), dtype=v.dtype)
+            new_k = mx.zeros((b, h, rows, d), dtype=k.dtype)
+            new_v = mx.zeros((b, h, rows, d), dtype=v.dtype)
             if keys is not None and values is not None and used:
                 new_k[..., :used, :] = keys[..., :used, :]
                 new_v[..., :used, :] = values[..., :used, :]
@@ -420,13 +422,33 @@ class ContextCache:
         k_pos = mx.concatenate([mx.arange(self._start[i], self._start[i] + ctx_len), q_pos])
         return sliding_mask(q_pos, k_pos, cfg.sliding_window, cfg.sliding_causal)
 
+    def _attends(self, i: int, anchor_position: int, length: int) -> tuple[KV | None, mx.array | None]:
+        """Layer i's context K/V and mask for a block of `length` rows at `anchor_position`: the exact rows, or
+        with key buckets on, the whole buffer with its unwritten rows hidden (one key length per bucket)."""
+        ctx = self.layer_kv(i)
+        keys, values = self._keys[i], self._values[i]
+        if not self._buckets or ctx is None or keys is None or values is None:
+            return ctx, self._mask(i, ctx, anchor_position, length)
+        cap, used = keys.shape[2], self._len[i]
+        cols = mx.arange(cap + length)
+        seen = (cols < used) | (cols >= cap)
+        exact = self._mask(i, ctx, anchor_position, length)
+        if exact is None:
+            seen = mx.broadcast_to(seen[None], (length, cap + length))
+        else:  # the sliding mask over [used context rows ; block], spread over the padded columns
+            hidden = mx.zeros((length, cap - used), dtype=mx.bool_)
+            spread = mx.concatenate([exact[:, :used], hidden, exact[:, used:]], axis=1)
+            seen = spread & seen[None]
+        dtype = self._backbone.dtype
+        return (keys, values), mx.where(seen, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+
     def forward(self, block: mx.array, anchor_position: int) -> mx.array:
         """Final-normed hidden [1, L, H] of block embeddings [1, L, H] starting at `anchor_position`."""
         length = block.shape[1]
         x = block.astype(self._backbone.dtype)
         for i, layer in enumerate(self._backbone.layers):
-            ctx = self.layer_kv(i)
-            x = layer(x, anchor_position, ctx, self._mask(i, ctx, anchor_position, length))
+            ctx, mask = self._attends(i, anchor_position, length)
+            x = layer(x, anchor_position, ctx, mask)
         return self._backbone.norm(x)
 
     @staticmethod
@@ -438,7 +460,6 @@ class ContextCache:
         offsets = mx.array(list(anchor_positions), dtype=mx.int32)
         x = block.astype(backbone.dtype)
         for i, layer in enumerate(backbone.layers):
-            ctxs = [c.layer_kv(i) for c in caches]
-            masks = [c._mask(i, ctx, p, length) for c, ctx, p in zip(caches, ctxs, anchor_positions, strict=True)]
-            x = layer.rows(x, offsets, ctxs, masks)
+            inputs = [c._attends(i, p, length) for c, p in zip(caches, anchor_positions, strict=True)]
+            x = layer.rows(x, offsets, [ctx for ctx, _ in inputs], [mask for _, mask in inputs])
         return backbone.norm(x)
