@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
-from mlx_dspark.adapters.mlx import cache_state, cpu_kernels
+from mlx_dspark.adapters.mlx import cache_state, cpu_kernels, key_buckets
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, pick_token
 from mlx_dspark.adapters.mlx.target import MlxTargetModel, _Recorder, default_prefill_chunk
@@ -46,11 +46,13 @@ _COMPACT_MIN = 32  # hole columns a row may carry before the batch is squeezed (
 
 
 class _Holes:
-    """Columns of the batch cache that hold no row's real token (shared by every layer's cache)."""
+    """Columns of the batch cache that hold no row's real token (shared by every layer's cache), and whether its
+    forwards attend over key buckets (`key_buckets`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: bool = False) -> None:
         self.alive: mx.array | None = None  # bool [B, n <= columns]; columns past n are alive; None: no holes
         self.most = 0  # hole columns of the row that has the most
+        self.buckets = buckets
 
     def columns(self, width: int) -> mx.array | None:
         """alive padded (with True) to `width` columns, or None when there are no holes."""
@@ -64,11 +66,37 @@ class _Holes:
 
 
 class _HoleCache(BatchKVCache):  # type: ignore[misc]
-    """mlx-lm's BatchKVCache whose mask also hides the batch's hole columns."""
+    """mlx-lm's BatchKVCache whose mask also hides the batch's hole columns. With key buckets, forwards of up to
+    `key_buckets.MAX_QUERY` rows (a batched mask is an array anyway, one-row steps included) attend over the
+    whole buffer, grown in whole buckets, under a mask that also hides the columns not yet written."""
 
     holes: _Holes | None = None
 
+    def _buckets(self) -> bool:
+        return self.holes is not None and self.holes.buckets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev, n = self._idx, keys.shape[2]
+        if self._buckets() and self.keys is not None and prev + n > self.keys.shape[2]:
+            self.keys, self.values = key_buckets.grown(self.keys, self.values, prev, prev + n)
+        exact = super().update_and_fetch(keys, values)
+        if self._buckets() and key_buckets.armed(prev, n, self.keys.shape[2]):
+            return self.keys, self.values
+        return cast(tuple[mx.array, mx.array], exact)
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        key_buckets.disarm()
+        if self._buckets() and self.keys is not None and N <= key_buckets.MAX_QUERY and not kwargs.get("window_size"):
+            width = key_buckets.width_after(self.keys, self._idx + N)
+            columns = mx.arange(width)[None]
+            mask = (mx.arange(self._idx, self._idx + N)[:, None] >= columns) & (
+                self.left_padding[:, None, None, None] <= columns
+            )
+            alive = self.holes.columns(width) if self.holes is not None else None
+            if alive is not None:
+                mask = mask & alive[:, None, None, :]
+            key_buckets.arm(self._idx, N, width)
+            return key_buckets.additive(mask, self.keys.dtype)
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
         alive = self.holes.columns(self._idx + N) if self.holes is not None else None
         if alive is not None:
@@ -182,10 +210,11 @@ class BatchedPlainTarget:
         self._serial = serial
         self._chunk = prefill_chunk or default_prefill_chunk()
         self.speculative = speculative  # whether rows may verify drafts (dense KV layers only)
+        self._buckets = serial._buckets if serial is not None else key_buckets.enabled()
         self._rows: dict[int, _Row] = {}
         self._order: list[int] = []  # row ids in batch order
         self._batch: list[BatchKVCache] | None = None
-        self._holes = _Holes()
+        self._holes = _Holes(self._buckets)
         self._recorder = _Recorder()
         self._pending: int | None = None  # the block width of the verify awaiting its commit
         self.compactions = 0
@@ -283,7 +312,6 @@ class BatchedPlainTarget:
             features = None  # a drafter loading it starts without this context (as after a gap)
         return cache_state.save(caches, tag=self.state_tag, tokens=tokens, features=features)
 
-
     @property
     def _captures(self) -> bool:
         return self._serial is not None and bool(self._serial.capture_layers)
@@ -310,8 +338,11 @@ class BatchedPlainTarget:
         serial = self._serial
         scope = cpu_kernels.active() if kernels else contextlib.nullcontext()
         if not record or serial is None:
-            with scope:
-                return self._model(tokens, cache=caches), None
+            try:
+                with scope:
+                    return self._model(tokens, cache=caches), None
+            finally:
+                key_buckets.disarm()
         rec = self._recorder
         rec.wanted = frozenset(serial.capture_layers)
         rec.rows = {}
@@ -322,6 +353,7 @@ class BatchedPlainTarget:
                 logits = self._model(tokens, cache=caches)
         finally:
             rec.active = False
+            key_buckets.disarm()
         parts = [rec.rows[i] for i in serial.capture_layers]
         rec.rows = {}
         return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
@@ -509,7 +541,7 @@ class BatchedPlainTarget:
         self._order = [self._order[i] for i in keep]
         if not keep:
             self._batch = None
-            self._holes = _Holes()
+            self._holes = _Holes(self._buckets)
             self._pending = None
             return
         assert self._batch is not None
@@ -564,7 +596,7 @@ _BATCHED_FORM = (KVCache, RotatingKVCache, ArraysCache)  # caches whose rows joi
 def _joined(cache: Any) -> Any:
     """One row's cache as a batch of one: dense KV hole-aware, a sliding window as its own ring, a recurrent
     state through mlx-lm's own batched `ArraysCache`."""
-    if type(cache) is KVCache:
+    if isinstance(cache, KVCache):  # the serial target's key-bucketed caches too
         return _HoleCache.merge([cache])
     if type(cache) is RotatingKVCache:
         return _RingRows.merge([cache])

@@ -43,10 +43,51 @@ def visible(n: int, offset: int, width: int, dtype: mx.Dtype | None) -> mx.array
     hidden): additive in `dtype` (so attention does not convert it in every layer), boolean when None."""
     keys = mx.arange(width)[None]
     queries = mx.arange(offset, offset + n)[:, None]
-    seen = keys <= queries
+    return additive(keys <= queries, dtype)
+
+
+def additive(seen: mx.array, dtype: mx.Dtype | None) -> mx.array:
+    """A boolean mask as 0 / -inf in `dtype` (unchanged when None)."""
     if dtype is None:
         return seen
     return mx.where(seen, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+
+
+def width_after(keys: mx.array | None, rows: int) -> int:
+    """The buffer rows a cache holding `keys` has once it holds `rows` rows (`grown`'s rule)."""
+    return int(keys.shape[2]) if keys is not None and rows <= keys.shape[2] else capacity(rows)
+
+
+def grown(keys: mx.array, values: mx.array, used: int, rows: int) -> tuple[mx.array, mx.array]:
+    """Buffers [B, H, capacity(rows), D] holding the first `used` rows of `keys`/`values` (the rest zeros)."""
+    b, heads, _, dk = keys.shape
+    cap = capacity(rows)
+    new_k = mx.zeros((b, heads, cap, dk), keys.dtype)
+    new_v = mx.zeros((b, heads, cap, values.shape[3]), values.dtype)
+    if used:
+        new_k[..., :used, :] = keys[..., :used, :]
+        new_v[..., :used, :] = values[..., :used, :]
+    return new_k, new_v
+
+
+def arm(offset: int, n: int, width: int) -> None:
+    """This thread's next forward runs `n` rows after `offset` over a `width`-row padded mask (see `armed`)."""
+    _ARMED.forward = (offset, n, width)
+
+
+def armed(offset: int, n: int, width: int) -> bool:
+    """Whether a layer writing `n` rows after `offset` into a `width`-row buffer serves the padded mask that
+    this thread's forward built: only then may it return the whole buffer."""
+    return getattr(_ARMED, "forward", None) == (offset, n, width)
+
+
+def disarm() -> None:
+    """Forget the current thread's padded mask (after the forward it was built for)."""
+    _ARMED.forward = None
+
+
+# The (offset, width, buffer rows) the current thread's forward built its padded mask for.
+_ARMED = threading.local()
 
 
 class BucketedKVCache(KVCache):  # type: ignore[misc]
@@ -63,34 +104,19 @@ class BucketedKVCache(KVCache):  # type: ignore[misc]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, n = self.offset, keys.shape[2]
-        if self.keys is None or prev + n > self.keys.shape[2]:
-            b, heads, _, dk = keys.shape
-            cap = capacity(prev + n)
-            new_k = mx.zeros((b, heads, cap, dk), keys.dtype)
-            new_v = mx.zeros((b, heads, cap, values.shape[3]), values.dtype)
-            if self.keys is not None and prev:
-                new_k[..., :prev, :] = self.keys[..., :prev, :]
-                new_v[..., :prev, :] = self.values[..., :prev, :]
-            self.keys, self.values = new_k, new_v
+        if self.keys is None:
+            self.keys, self.values = grown(keys, values, 0, n)
+        elif prev + n > self.keys.shape[2]:
+            self.keys, self.values = grown(self.keys, self.values, prev, prev + n)
         exact = super().update_and_fetch(keys, values)
-        if getattr(_ARMED, "forward", None) == (prev, n, self.keys.shape[2]):
+        if armed(prev, n, self.keys.shape[2]):
             return self.keys, self.values
         return exact  # type: ignore[no-any-return]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **kwargs: object) -> object:
-        _ARMED.forward = None
+        disarm()
         if not 1 < n <= MAX_QUERY or window_size is not None:
             return super().make_mask(n, return_array=return_array, window_size=window_size, **kwargs)
-        rows = self.offset + n
-        width = self.keys.shape[2] if self.keys is not None and rows <= self.keys.shape[2] else capacity(rows)
-        _ARMED.forward = (self.offset, n, width)
+        width = width_after(self.keys, self.offset + n)
+        arm(self.offset, n, width)
         return visible(n, self.offset, width, None if self.keys is None else self.keys.dtype)
-
-
-def disarm() -> None:
-    """Forget the current thread's padded mask (after the forward it was built for)."""
-    _ARMED.forward = None
-
-
-# The (offset, width, buffer rows) the current thread's forward built its padded mask for (see BucketedKVCache).
-_ARMED = threading.local()

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from mlx_dspark.adapters.mlx import cache_state, key_buckets
+from mlx_dspark.adapters.mlx import batched_target, cache_state, key_buckets
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.drafters.backbone import ContextCache, DraftAttention
@@ -215,3 +215,33 @@ def test_a_drafter_block_over_padded_context_gives_the_exact_hidden(
         rows = ContextCache.forward_rows([cache, cache], mx.concatenate([block, block]), [40, 40])
         assert mx.allclose(rows[0], hidden[mode][0], atol=1e-5).item()
     assert mx.allclose(hidden["on"], hidden["off"], atol=1e-5, rtol=1e-5).item()
+
+
+@pytest.mark.parametrize("kind", ["dspark", "lookup"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_batched_rows_with_buckets_equal_solo_decoding(
+    monkeypatch: pytest.MonkeyPatch, buckets_on: None, kind: str, sampled: bool
+) -> None:
+    from tests.integration.mlx import test_batching_speculative as rig
+
+    widths: list[tuple[int, int, int]] = []  # (rows written, key rows attended, buffer rows) per batched layer
+    update = batched_target._HoleCache.update_and_fetch
+
+    def spy(self: Any, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out = update(self, keys, values)
+        widths.append((int(keys.shape[2]), int(out[0].shape[2]), int(self.keys.shape[2])))
+        return out
+
+    monkeypatch.setattr(batched_target._HoleCache, "update_and_fetch", spy)
+    reqs = rig.requests(3, sampled=sampled, seed=70 + sampled)
+    jobs = [rig.Job(r) for r in reqs]
+    scheduler = rig.run_batched(rig.service(kind), jobs, join_every=2)
+    assert scheduler.widest > 1
+    for job, req in zip(jobs, reqs, strict=True):
+        rig.assert_like_solo(job, rig.solo(kind, req))
+    # Every batched forward (plain ticks and verifies) attended over its whole buffer, whose length changes only
+    # when rows join or leave (merge, filter) or it grows a bucket: not with every forward, as exact rows would.
+    assert widths and all(attended == buffer for _, attended, buffer in widths)
+    shapes = {buffer for _, _, buffer in widths}
+    assert len(shapes) * 5 <= len(widths), (shapes, len(widths))
+    assert any(rows > 1 for rows, _, _ in widths)
