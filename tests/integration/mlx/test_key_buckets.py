@@ -245,3 +245,12 @@ def test_batched_rows_with_buckets_equal_solo_decoding(
     shapes = {buffer for _, _, buffer in widths}
     assert len(shapes) * 5 <= len(widths), (shapes, len(widths))
     assert any(rows > 1 for rows, _, _ in widths)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_with_buckets_as_mlx_lm_does(buckets_on: None, family: str) -> None:
+    # The rollback suite (right, partly wrong and random drafts; sliding windows, recurrent state) with every
+    # verify padded: the greedy output is still mlx-lm's own.
+    from tests.integration.mlx import test_target_greedy as suite
+
+    suite.test_speculative_equals_plain_and_mlx_lm(family)
