@@ -10,8 +10,9 @@ on the device (all drafts kept, so every round has the same shape as a fully acc
                measured 8.1 ms of it in a DSpark round against 2.7 ms in a plain step)
   synced_ms    a round as the engine runs one today: build, dispatch, read the verdict back, then the next round,
                over cache lengths no earlier round had
-  (each twice with --caches plain,bucketed: mlx-lm's caches, and the engine's key-bucketed ones, whose wide
-  forwards attend over a fixed key length per 256 rows: adapters/mlx/key_buckets.py)
+  (per --caches kind: plain = mlx-lm's caches; bucketed = the engine's key-bucketed ones, whose wide forwards
+  attend over a fixed key length per 256 rows, adapters/mlx/key_buckets.py; compiled = those with each wide
+  forward replayed as one compiled graph, adapters/mlx/compiled_forward.py)
   repeat_ms    the same rounds again over the same cache lengths (every shape seen once): what a per-shape cost
                (kernel JIT, graph instantiation) adds is synced_ms - repeat_ms
   overlapped   the next round built and dispatched from the device-side verdict before this one is read (the
@@ -42,18 +43,30 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_dspark.adapters.mlx import caches  # importable once device_bench has mapped the checkout
+from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 
 PROMPT = 64  # cached rows before the first round
 
 
-def _forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
+_COMPILED: dict[int, CompiledForward] = {}  # per model: the engine's compiled verify forward
+
+
+class _Unrecorded:
+    rows: dict[int, mx.array] = {}  # noqa: RUF012 - never written: no layer is recorded here
+
+
+def _forward(model: Any, tokens: mx.array, cache: Any, kind: str = "plain") -> mx.array:
+    if kind == "compiled" and CompiledForward.applies(cache, int(tokens.shape[0])):
+        graph = _COMPILED.setdefault(id(model), CompiledForward(model, lambda layers: _Unrecorded()))
+        logits = graph(tokens, cache, ())[0][0]
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
     logits = model(tokens[None], cache=cache)[0]
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
-def _fresh(model: Any, vocab: int, bucketed: bool) -> tuple[Any, mx.array]:
-    # bucketed: the engine's key-bucketed caches (key_buckets) instead of mlx-lm's own
-    cache = caches.make_caches(model, buckets=True) if bucketed else make_prompt_cache(model)
+def _fresh(model: Any, vocab: int, kind: str) -> tuple[Any, mx.array]:
+    # bucketed, compiled: the engine's key-bucketed caches (key_buckets) instead of mlx-lm's own
+    cache = make_prompt_cache(model) if kind == "plain" else caches.make_caches(model, buckets=True)
     prompt = mx.arange(PROMPT, dtype=mx.int32) % vocab
     out = _forward(model, prompt, cache)
     mx.eval(out)
@@ -65,17 +78,17 @@ def _tokens(last: mx.array, width: int) -> mx.array:
     return mx.concatenate([last, last + mx.arange(1, width, dtype=mx.int32)]) if width > 1 else last
 
 
-def measure(model: Any, vocab: int, width: int, rounds: int, bucketed: bool) -> dict[str, float]:
+def measure(model: Any, vocab: int, width: int, rounds: int, kind: str) -> dict[str, float]:
     """host, synced and overlapped ms per round of `width` tokens, and the pipelined plain step."""
     host: list[float] = []
     dispatch: list[float] = []
     synced: list[float] = []
     repeat: list[float] = []
     for timed in (synced, repeat):  # the second pass runs over the very same cache lengths
-        cache, last = _fresh(model, vocab, bucketed)
+        cache, last = _fresh(model, vocab, kind)
         for _ in range(rounds):
             t0 = time.perf_counter()
-            out = _forward(model, _tokens(last, width), cache)
+            out = _forward(model, _tokens(last, width), cache, kind)
             t1 = time.perf_counter()
             mx.async_eval(out)
             t2 = time.perf_counter()
@@ -85,12 +98,12 @@ def measure(model: Any, vocab: int, width: int, rounds: int, bucketed: bool) -> 
                 host.append(t1 - t0)
                 dispatch.append(t2 - t1)
             last = out[-1:]
-    cache, last = _fresh(model, vocab, bucketed)
-    out = _forward(model, _tokens(last, width), cache)
+    cache, last = _fresh(model, vocab, kind)
+    out = _forward(model, _tokens(last, width), cache, kind)
     mx.async_eval(out)
     t0 = time.perf_counter()
     for _ in range(rounds):
-        nxt = _forward(model, _tokens(out[-1:], width), cache)  # built from the device-side verdict
+        nxt = _forward(model, _tokens(out[-1:], width), cache, kind)  # built from the device-side verdict
         mx.async_eval(nxt)
         out.tolist()  # read this round while the next one runs
         out = nxt
@@ -105,8 +118,8 @@ def measure(model: Any, vocab: int, width: int, rounds: int, bucketed: bool) -> 
     }
 
 
-def plain_ms(model: Any, vocab: int, steps: int, bucketed: bool) -> float:
-    cache, last = _fresh(model, vocab, bucketed)
+def plain_ms(model: Any, vocab: int, steps: int, kind: str) -> float:
+    cache, last = _fresh(model, vocab, kind)
     out = _forward(model, last, cache)
     mx.async_eval(out)
     t0 = time.perf_counter()
@@ -119,13 +132,13 @@ def plain_ms(model: Any, vocab: int, steps: int, bucketed: bool) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def anatomy(model: Any, vocab: int, widths: Sequence[int], rounds: int, bucketed: bool) -> dict[str, Any]:
+def anatomy(model: Any, vocab: int, widths: Sequence[int], rounds: int, kind: str) -> dict[str, Any]:
     for w in widths:  # first shapes compile and allocate: warm each once
-        measure(model, vocab, w, 3, bucketed)
-    step = plain_ms(model, vocab, rounds, bucketed)
+        measure(model, vocab, w, 3, kind)
+    step = plain_ms(model, vocab, rounds, kind)
     rows = []
     for w in widths:
-        m = measure(model, vocab, w, rounds, bucketed)
+        m = measure(model, vocab, w, rounds, kind)
         rows.append(
             {
                 "width": w,
@@ -156,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--widths", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=48)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke run)")
-    p.add_argument("--caches", default="plain,bucketed", help="plain (mlx-lm's), bucketed (key_buckets), or both")
+    p.add_argument("--caches", default="plain,bucketed,compiled", help="cache kinds (see above), in this order")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     dtype = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}[args.dtype]
@@ -172,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = build()
         vocab = int(model.args.vocab_size) if hasattr(model.args, "vocab_size") else 1000
         for kind in [c for c in args.caches.split(",") if c]:
-            result = anatomy(model, vocab, widths, args.rounds, kind == "bucketed")
+            result = anatomy(model, vocab, widths, args.rounds, kind)
             doc["results"][f"{name}/{kind}"] = result
             sys.stdout.write(table(f"{name}, {kind} caches", result))
             sys.stdout.flush()

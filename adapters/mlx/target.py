@@ -17,9 +17,10 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state, cpu_kernels, forward_cost, key_buckets
+from mlx_dspark.adapters.mlx import cache_state, compiled_forward, cpu_kernels, forward_cost, key_buckets
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, greedy_accept, pick_token
+from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.costmodel.prefill import ForwardCost
 from mlx_dspark.domain.drafting.block import DraftBlock
@@ -183,6 +184,9 @@ class MlxTargetModel:
         self._kv_bits = kv_bits
         self._kv_group_size = kv_group_size
         self._buckets = key_buckets.enabled()  # fixed per process: states move between the two cache kinds
+        self._compiled = (
+            CompiledForward(model, self._start_recording) if compiled_forward.enabled(self._buckets) else None
+        )
         self._recorder = _Recorder()
         self._hub = self._install_taps()
         self._capture: tuple[int, ...] = ()
@@ -450,7 +454,7 @@ class MlxTargetModel:
             drafts = mx.array(host, dtype=mx.int32)
         checkpoint = None if self._plain else cache_ops.Checkpoint(self._caches)
         inputs = mx.concatenate([mx.array([anchor], dtype=mx.int32), drafts])
-        logits = self._forward(inputs, record=self._recording)[0]
+        logits = self._forward(inputs, record=self._recording, compiled=True)[0]
         features = self._recorded() if self._recording else None
         if sampling.greedy:
             verdict = greedy_accept(logits, drafts)
@@ -582,8 +586,14 @@ class MlxTargetModel:
             layer._dspark_tap = _LayerTap(hub, index)
         return hub
 
-    def _forward(self, tokens: mx.array, record: bool) -> mx.array:
-        """Run tokens (ids [n]) after the cached rows; the taps record into this target when `record`."""
+    def _forward(self, tokens: mx.array, record: bool, *, compiled: bool = False) -> mx.array:
+        """Run tokens (ids [n]) after the cached rows; the taps record into this target when `record`.
+        `compiled`: a verify, run as the compiled graph where that applies (`compiled_forward`)."""
+        if compiled and self._compiled is not None and self._compiled.applies(self._caches, int(tokens.shape[0])):
+            layers = tuple(sorted(self._recorder.wanted)) if record and self._capture else ()
+            logits, features = self._compiled(tokens, self._caches, layers)
+            self._recorder.rows = dict(zip(layers, features, strict=True))
+            return logits
         self._hub.recorder = self._recorder
         self._recorder.active = record and bool(self._capture)
         try:
@@ -593,6 +603,12 @@ class MlxTargetModel:
         finally:
             self._recorder.active = False
             key_buckets.disarm()
+
+    def _start_recording(self, layers: Sequence[int]) -> _Recorder:
+        """The recorder of a traced compiled forward, its taps armed for `layers` (none: nothing recorded)."""
+        self._hub.recorder = rec = _Recorder()
+        rec.wanted, rec.active = frozenset(layers), bool(layers)
+        return rec
 
     def _make_caches(self) -> list[Any]:
         return cache_ops.make_caches(self._model, self._kv_bits, self._kv_group_size, buckets=self._buckets)

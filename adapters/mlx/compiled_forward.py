@@ -1,0 +1,109 @@
+"""A verify's target forward as one compiled graph, replayed without building it again in Python.
+
+With key buckets (`key_buckets`) a verify of n rows sees the same shapes for 256 rows of growth: the cache
+buffers, the padded mask, the tokens. So the forward can be traced once per (n, bucket) by `mx.compile` and
+replayed: the host no longer walks every layer's modules each round (about 2 ms for a 28-layer model on the
+H200, time the device waited on), and MLX fuses the elementwise chains into fewer kernels. Inside the trace
+each layer's cache is a `TracedKV`: the whole buffer in, the rows written at an offset that is an array
+(`mx.slice_update`), the whole buffer out; the caller puts the new buffers back into its `BucketedKVCache`s,
+so everything else (trimming, saved states, plain steps) sees the usual caches. Recorded hidden states (the
+drafters' features) are outputs of the graph. Only targets whose every layer is a plain KV cache take this
+path; anything else runs the model as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_dspark.adapters.mlx import key_buckets
+
+ENV = "MLX_DSPARK_COMPILE"  # "auto" (where key buckets are on), "on", "off"
+
+
+def enabled(buckets: bool) -> bool:
+    """Whether verifies run compiled in this process: needs key buckets (fixed shapes) unless forced off."""
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV} must be auto, on or off, got {mode!r}")
+    return buckets and mode != "off"
+
+
+class TracedKV:
+    """One layer's KV cache inside the compiled forward: whole buffers, rows written at an array offset."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **kwargs: Any) -> mx.array:
+        if window_size is not None:  # only dense-KV targets are compiled (see `applies`)
+            raise NotImplementedError("a sliding-window mask in a compiled forward")
+        seen = mx.arange(self.keys.shape[2])[None] <= (self.offset + mx.arange(n))[:, None]
+        return key_buckets.additive(seen, self.keys.dtype)
+
+
+Recording = tuple[Any, Sequence[int]]  # (the target's recorder, the layer ids it records), or None
+
+
+class CompiledForward:
+    """The compiled verify forward of one mlx-lm model over its `BucketedKVCache` list.
+
+    Args:
+        model: the mlx-lm module (its weights are constants of the graph: they never change at inference).
+        start_recording: `(recorder, layers)` → arms the target's layer taps for one traced forward.
+    """
+
+    def __init__(self, model: Any, start_recording: Callable[[Sequence[int]], Any]) -> None:
+        self._model = model
+        self._start_recording = start_recording
+        self._graphs: dict[tuple[int, ...], Any] = {}
+
+    @staticmethod
+    def applies(caches: Sequence[Any], rows: int) -> bool:
+        """Whether a forward of `rows` rows over `caches` can run compiled (dense key-bucketed KV only)."""
+        return (
+            1 < rows <= key_buckets.MAX_QUERY
+            and bool(caches)
+            and all(type(c) is key_buckets.BucketedKVCache and c.keys is not None for c in caches)
+        )
+
+    def __call__(
+        self, tokens: mx.array, caches: Sequence[Any], layers: Sequence[int]
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Logits [1, n, V] of `tokens` [n] after the cached rows, and the hidden states [1, n, H] of `layers`
+        (in that order); the caches then hold the n rows, as after an eager forward."""
+        n = int(tokens.shape[0])
+        offset = int(caches[0].offset)
+        for c in caches:
+            if offset + n > c.keys.shape[2]:
+                c.keys, c.values = key_buckets.grown(c.keys, c.values, offset, offset + n)
+        key = tuple(layers)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = mx.compile(self._traced(key, len(caches)))
+        buffers = [a for c in caches for a in (c.keys, c.values)]
+        logits, *rest = graph(tokens, mx.array([offset], dtype=mx.int32), *buffers)
+        for i, c in enumerate(caches):
+            c.keys, c.values = rest[2 * i], rest[2 * i + 1]
+            c.offset = offset + n
+        return logits, rest[2 * len(caches) :]
+
+    def _traced(self, layers: tuple[int, ...], count: int) -> Callable[..., list[mx.array]]:
+        model, start = self._model, self._start_recording
+
+        def forward(tokens: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
+            traced = [TracedKV(buffers[2 * i], buffers[2 * i + 1], offset) for i in range(count)]
+            recorded = start(layers)
+            logits = model(tokens[None], cache=traced)
+            features = [recorded.rows.pop(i) for i in layers] if layers else []
+            return [logits, *(a for c in traced for a in (c.keys, c.values)), *features]
+
+        return forward

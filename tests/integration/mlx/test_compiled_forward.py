@@ -1,0 +1,141 @@
+"""The compiled verify forward (adapters/mlx/compiled_forward.py) against the eager one it replaces.
+
+On the CPU both are off by default, so these tests switch key buckets and compilation on: a compiled verify
+must give the eager bucketed verify's verdicts and features bit for bit, be traced once per shape and replayed
+after, leave the caches as the eager forward does (rollback, plain steps and saved states keep working), stay
+out of targets that are not dense KV, and keep greedy decoding with a drafter equal to plain decoding.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from mlx_dspark.adapters.mlx import compiled_forward, key_buckets
+from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
+from mlx_dspark.adapters.mlx.drafters import load_drafter
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.domain.drafting.block import DraftBlock
+from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from tests.fakes.tiny_models import FAMILIES, tiny_model
+
+GREEDY = SamplingParams()
+DENSE = ("llama", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every compiled forward."""
+    seen: list[int] = []
+    original = CompiledForward.__call__
+
+    def spy(self: Any, tokens: mx.array, caches: Any, layers: Any) -> Any:
+        seen.append(int(tokens.shape[0]))
+        return original(self, tokens, caches, layers)
+
+    monkeypatch.setattr(CompiledForward, "__call__", spy)
+    return seen
+
+
+def target(monkeypatch: pytest.MonkeyPatch, family: str, compiled: bool) -> MlxTargetModel:
+    monkeypatch.setenv(key_buckets.ENV, "on")
+    monkeypatch.setenv(compiled_forward.ENV, "on" if compiled else "off")
+    return MlxTargetModel(tiny_model(family, seed=0), capture_layers=(-1, 0, 1))
+
+
+def rounds(t: MlxTargetModel, seed: int) -> list[tuple[int, int, list[float]]]:
+    """Verdicts and committed features over 12 rounds of random drafts (partly accepted, rolled back)."""
+    rng = random.Random(seed)
+    anchor = t.prefill([rng.randrange(100) for _ in range(rng.randint(3, 40))], GREEDY, 0.5)
+    t.take_features()
+    out = []
+    for _ in range(12):
+        drafts = tuple(rng.randrange(100) for _ in range(rng.randint(1, 9)))
+        verdict = t.verify(anchor, DraftBlock(tokens=drafts), GREEDY, [0.5] * (len(drafts) + 1))
+        keep = rng.randint(0, verdict.accepted) + 1
+        t.commit(keep)
+        features = t.take_features()
+        assert features is not None
+        out.append((verdict.accepted, verdict.next_token, features.reshape(-1).tolist()))
+        anchor = verdict.next_token if keep == verdict.accepted + 1 else drafts[keep - 1]
+    return out
+
+
+def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    for mode, buckets, want in (("on", True, True), ("on", False, False), ("off", True, False), ("auto", True, True), ("auto", False, False)):
+        monkeypatch.setenv(compiled_forward.ENV, mode)
+        assert compiled_forward.enabled(buckets) is want
+    monkeypatch.setenv(compiled_forward.ENV, "always")
+    with pytest.raises(ValueError, match="MLX_DSPARK_COMPILE must be auto, on or off"):
+        compiled_forward.enabled(True)
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_compiled_verifies_equal_the_eager_ones(monkeypatch: pytest.MonkeyPatch, calls: list[int], family: str) -> None:
+    for seed in range(3):
+        eager = rounds(target(monkeypatch, family, compiled=False), seed)
+        assert not calls
+        t = target(monkeypatch, family, compiled=True)
+        assert rounds(t, seed) == eager  # verdicts and every feature row, bit for bit
+        assert calls and all(n > 1 for n in calls)
+        assert t._compiled is not None
+        # Traced once per recorded layer set (its graph cache keys); replays follow for every round.
+        assert len(t._compiled._graphs) == 1 and len(calls) == 12
+        calls.clear()
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(DENSE)))
+def test_targets_that_are_not_dense_kv_stay_eager(
+    monkeypatch: pytest.MonkeyPatch, calls: list[int], family: str
+) -> None:
+    t = target(monkeypatch, family, compiled=True)
+    eager = rounds(target(monkeypatch, family, compiled=False), 1)
+    assert rounds(t, 1) == eager
+    assert not calls
+
+
+def test_the_buffer_grows_inside_a_compiled_round(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> None:
+    # Rows that cross a bucket's end: the compiled path grows the buffers first, as the eager cache does.
+    t = target(monkeypatch, "qwen3", compiled=True)
+    e = target(monkeypatch, "qwen3", compiled=False)
+    prompt = list(range(3, 99)) * 2 + list(range(3, 63))  # 252 rows: the next verify crosses 256
+    for x in (t, e):
+        anchor = x.prefill(prompt, GREEDY, 0.5)
+        verdict = x.verify(anchor, DraftBlock(tokens=(1, 2, 3, 4, 5, 6, 7)), GREEDY, [0.5] * 8)
+        x.commit(8)
+    assert calls == [8]
+    assert t._caches[0].keys.shape[2] == e._caches[0].keys.shape[2] == 512
+    assert t.cached_tokens == e.cached_tokens
+    want = e.take_features()
+    got = t.take_features()
+    assert want is not None and got is not None and mx.array_equal(got, want).item()
+    del verdict
+
+
+@pytest.mark.parametrize(
+    ("kind", "opts"), [("dspark", {"packaging": "deepspec"}), ("dflash", {"variant": "v2"})], ids=["dspark", "dflash"]
+)
+def test_greedy_decoding_with_a_drafter_equals_plain_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: list[int], kind: str, opts: dict[str, Any]
+) -> None:
+    from tests.integration.drafters import helpers
+    from tests.integration.mlx.test_key_buckets import run
+
+    monkeypatch.setenv(key_buckets.ENV, "on")
+    monkeypatch.setenv(compiled_forward.ENV, "on")
+    model = helpers.tiny_target("qwen3", seed=2)
+    if kind == "dflash":
+        path = helpers.write_dflash(tmp_path / kind, **opts)
+    else:
+        path = helpers.write_dspark(tmp_path / kind, model, **opts)
+    source = load_drafter(kind, str(path), model, bits=0)
+    rng = random.Random(5)
+    for _ in range(4):
+        prompt = [rng.randrange(120) for _ in range(rng.randint(2, 30))]
+        stop = StopRule(max_tokens=rng.randint(8, 40))
+        assert run(model, prompt, stop, source=source) == run(model, prompt, stop), prompt
+    assert calls and all(n > 1 for n in calls)
