@@ -213,6 +213,7 @@ def test_the_default_model_in_bf16(tmp_path: Path) -> None:
     for kernels in ("mlx", "split-k"):
         if kernels == "split-k":
             split_when_wide(model)
+            target = MlxTargetModel(model)  # a compiled verify (accelerators) traced the unsplit kernels
         plain, _ = _run(target, prompt, 40)
         for mode in MODES:
             spec, rounds = _run(target, prompt, 40, sources[mode])
