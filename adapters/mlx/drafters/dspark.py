@@ -17,7 +17,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx import nn
 
-from mlx_dspark.adapters.mlx import model_parts
+from mlx_dspark.adapters.mlx import compiled_forward, key_buckets, model_parts
 from mlx_dspark.adapters.mlx.drafters import heads
 from mlx_dspark.adapters.mlx.drafters.backbone import DrafterBackbone, Positions
 from mlx_dspark.adapters.mlx.drafters.checkpoint import check_fits_target
@@ -242,6 +242,8 @@ class DSparkDraftSource(BackboneDraftSource):
             raise ValueError("a confidence threshold needs a drafter with a confidence head")
         self.confidence_threshold = confidence_threshold
         self.last_confidences: list[float] = []
+        self._compile = compiled_forward.enabled(key_buckets.enabled())
+        self._chains: dict[tuple[Any, ...], Any] = {}  # compiled greedy chains per (h shape, anchors shape)
 
     @property
     def name(self) -> str:
@@ -279,10 +281,29 @@ class DSparkDraftSource(BackboneDraftSource):
         self, h: mx.array, anchor: mx.array, sampling: SamplingParams, u: mx.array | None
     ) -> tuple[mx.array, list[mx.array], mx.array | None]:
         """The Markov chain over slots of hidden states `h` [..., n, H] after `anchor` [...]: the drafted target
-        ids [..., n], each sampled slot's q (over draft ids), and the confidences [..., n] when thresholded."""
+        ids [..., n], each sampled slot's q (over draft ids), and the confidences [..., n] when thresholded.
+
+        Where verifies run compiled (`compiled_forward`), a greedy chain is one compiled graph per shape too:
+        its n sequential steps are otherwise n rounds of small graphs the host builds while the device waits."""
+        want_conf = self.confidence_threshold > 0
+        if u is None and self._compile:
+            key = (tuple(h.shape), tuple(anchor.shape), want_conf)
+            chain = self._chains.get(key)
+            if chain is None:
+                chain = self._chains[key] = mx.compile(lambda h, a: self._greedy_chain(h, a, want_conf))
+            tokens, *conf = chain(h, anchor)
+            return tokens, [], conf[0] if conf else None
+        return self._steps(h, anchor, sampling, u, want_conf)
+
+    def _greedy_chain(self, h: mx.array, anchor: mx.array, want_conf: bool) -> list[mx.array]:
+        tokens, _, conf = self._steps(h, anchor, ARGMAX, None, want_conf)
+        return [tokens] if conf is None else [tokens, conf]
+
+    def _steps(
+        self, h: mx.array, anchor: mx.array, sampling: SamplingParams, u: mx.array | None, want_conf: bool
+    ) -> tuple[mx.array, list[mx.array], mx.array | None]:
         d = self.drafter
         base = d.base_logits(h)
-        want_conf = self.confidence_threshold > 0
         prev = anchor
         tokens, qs, confs = [], [], []
         for k in range(int(h.shape[-2])):

@@ -66,7 +66,9 @@ def rounds(t: MlxTargetModel, seed: int) -> list[tuple[int, int, list[float]]]:
 
 
 def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    for mode, buckets, want in (("on", True, True), ("on", False, False), ("off", True, False), ("auto", True, True), ("auto", False, False)):
+    cases = [("on", True, True), ("on", False, False), ("off", True, False)]
+    cases += [("auto", True, True), ("auto", False, False)]
+    for mode, buckets, want in cases:
         monkeypatch.setenv(compiled_forward.ENV, mode)
         assert compiled_forward.enabled(buckets) is want
     monkeypatch.setenv(compiled_forward.ENV, "always")
@@ -139,3 +141,31 @@ def test_greedy_decoding_with_a_drafter_equals_plain_decoding(
         stop = StopRule(max_tokens=rng.randint(8, 40))
         assert run(model, prompt, stop, source=source) == run(model, prompt, stop), prompt
     assert calls and all(n > 1 for n in calls)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_a_compiled_markov_chain_drafts_what_the_eager_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threshold: float
+) -> None:
+    from tests.integration.drafters import helpers
+
+    model = helpers.tiny_target("qwen3", seed=2)
+    path = helpers.write_dspark(tmp_path / "dspark", model)
+    h = mx.random.normal((3, 4, helpers.HIDDEN), key=mx.random.key(4))
+    anchors = mx.array([5, 17, 99], dtype=mx.int32)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(key_buckets.ENV, mode)
+        monkeypatch.setenv(compiled_forward.ENV, mode)
+        source = load_drafter("dspark", str(path), model, bits=0, confidence_threshold=threshold)
+        hidden = h.astype(source.drafter.dtype)
+        rows = [source._chain(hidden[i], anchors[i], GREEDY, None) for i in range(3)]
+        batched = source.greedy_slots(hidden, anchors)
+        assert bool(source._chains) == (mode == "on")  # traced per shape: one row, and the batch of three
+        assert len(source._chains) == (2 if mode == "on" else 0)
+        out[mode] = (
+            [r[0].tolist() for r in rows],
+            batched[0].tolist(),
+            None if batched[1] is None else batched[1].tolist(),
+        )
+    assert out["on"] == out["off"]
