@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from mlx_dspark.adapters.mlx import key_buckets
+from mlx_dspark.adapters.mlx import compiled_forward, key_buckets
 from mlx_dspark.adapters.mlx.drafters.checkpoint import load_strict, prepare
 from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
 
@@ -68,7 +68,7 @@ class BlockwiseMask:
 
 def rope_at(rope: nn.Module, x: mx.array, positions: Positions) -> mx.array:
     """Rotate `x` [B, heads, T, D] at `positions`: a start offset (contiguous rows) or ids [T] / [B, T]."""
-    if isinstance(positions, int):
+    if isinstance(positions, int) or positions.ndim == 0:  # one start offset (an int, or a 0-d array)
         return rope(x, offset=positions)
     b, h, t, d = x.shape
     pos = mx.broadcast_to(positions.reshape(-1, t) if positions.ndim == 2 else positions[None], (b, t))
@@ -305,10 +305,12 @@ class ContextCache:
 
     _STEP = 256
 
-    def __init__(self, backbone: DrafterBackbone) -> None:
+    def __init__(self, backbone: DrafterBackbone, graphs: dict[tuple[int, ...], Any] | None = None) -> None:
+        """`graphs`: compiled block forwards to share (every fork of one source replays the same ones)."""
         self._backbone = backbone
         self._cfg = backbone.config
         self._buckets = key_buckets.enabled()  # blocks attend over whole buffers, masked (key_buckets)
+        self._graphs = graphs if graphs is not None and compiled_forward.enabled(self._buckets) else None
         self.reset()
 
     def reset(self) -> None:
@@ -442,6 +444,28 @@ class ContextCache:
         dtype = self._backbone.dtype
         return (keys, values), mx.where(seen, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
 
+    def block_hidden(self, ids: mx.array, anchor_position: int) -> mx.array:
+        """`forward` of the block `ids` [1, L] (embedded here). With key buckets and compiled forwards on, a
+        drafter of full-attention layers replays one compiled graph per (bucket, block) instead of the host
+        building its layers' graph every round."""
+        keys = self._keys
+        if (
+            self._graphs is None
+            or ids.shape[0] != 1
+            or any(self._cfg.is_sliding(i) for i in range(self._cfg.num_layers))
+            or any(k is None for k in keys)
+            or len({(k.shape[2], n) for k, n in zip(keys, self._len, strict=True) if k is not None}) != 1
+            or not self._len[0]
+        ):
+            return self.forward(self._backbone.embed_block(ids), anchor_position)
+        cap, length = int(keys[0].shape[2]), int(ids.shape[1])  # type: ignore[union-attr]
+        graph = self._graphs.get((cap, length))
+        if graph is None:
+            graph = self._graphs[(cap, length)] = mx.compile(_block_graph(self._backbone, cap, length))
+        buffers = [a for kv in zip(self._keys, self._values, strict=True) for a in kv]
+        position = mx.array(anchor_position, dtype=mx.int32)
+        return graph(ids, position, mx.array(self._len[0], dtype=mx.int32), *buffers)  # type: ignore[no-any-return]
+
     def forward(self, block: mx.array, anchor_position: int) -> mx.array:
         """Final-normed hidden [1, L, H] of block embeddings [1, L, H] starting at `anchor_position`."""
         length = block.shape[1]
@@ -463,3 +487,19 @@ class ContextCache:
             inputs = [c._attends(i, p, length) for c, p in zip(caches, anchor_positions, strict=True)]
             x = layer.rows(x, offsets, [ctx for ctx, _ in inputs], [mask for _, mask in inputs])
         return backbone.norm(x)
+
+
+def _block_graph(backbone: DrafterBackbone, cap: int, length: int) -> Any:
+    """The block forward over whole `cap`-row context buffers, `used` rows of them written (for `mx.compile`)."""
+
+    def forward(ids: mx.array, position: mx.array, used: mx.array, *buffers: mx.array) -> mx.array:
+        dtype = backbone.dtype
+        x = backbone.embed_block(ids).astype(dtype)
+        cols = mx.arange(cap + length)
+        seen = mx.broadcast_to(((cols < used) | (cols >= cap))[None], (length, cap + length))
+        mask = key_buckets.additive(seen, dtype)
+        for i, layer in enumerate(backbone.layers):
+            x = layer(x, position, (buffers[2 * i], buffers[2 * i + 1]), mask)
+        return backbone.norm(x)
+
+    return forward

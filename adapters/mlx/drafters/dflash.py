@@ -129,7 +129,7 @@ class DFlashDraftSource(BackboneDraftSource):
         n = self.round_size(ctx, cap)
         if n == 0:
             return DraftBlock(source=self.name)
-        h = self.cache.forward(self.drafter.embed_block(self.block_ids(ctx.anchor)), ctx.position)
+        h = self.cache.block_hidden(self.block_ids(ctx.anchor), ctx.position)
         logits = self.drafter.logits(h[0, 1 : 1 + n])
         u = mx.array(list(uniforms[:n]), dtype=mx.float32) if self.sampled(sampling) else None
         tokens, q = pick(logits, sampling, u)

@@ -260,7 +260,7 @@ class DSparkDraftSource(BackboneDraftSource):
             return DraftBlock(source=self.name)
         d = self.drafter
         first = d.dspark_config.first_draft_slot
-        h = self.cache.forward(d.embed_block(self.block_ids(ctx.anchor)), ctx.position)[0, first : first + n]
+        h = self.cache.block_hidden(self.block_ids(ctx.anchor), ctx.position)[0, first : first + n]
         sampled = self.sampled(sampling)
         u = mx.array(list(uniforms[:n]), dtype=mx.float32) if sampled else None
         token_arr, qs, conf_arr = self._chain(h, mx.array(ctx.anchor, dtype=mx.int32), sampling, u)

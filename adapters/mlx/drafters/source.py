@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Self, cast
+from typing import Any, Self, cast
 
 import mlx.core as mx
 
@@ -29,7 +29,8 @@ class BackboneDraftSource:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         self.drafter = drafter
         self.proposal = proposal
-        self.cache = ContextCache(drafter)
+        self._graphs: dict[tuple[int, ...], Any] = {}  # compiled block forwards, shared by every fork
+        self.cache = ContextCache(drafter, self._graphs)
         # Where this drafter's layers sit in the target's features (which may hold other drafters' too).
         self._columns: Callable[[Sequence[int]], mx.array | None] = lambda _ids: None
 
@@ -52,7 +53,7 @@ class BackboneDraftSource:
         """The same drafter (weights and feature columns shared) with its own context cache: one per batched
         request."""
         twin = copy.copy(self)
-        twin.cache = ContextCache(self.drafter)
+        twin.cache = ContextCache(self.drafter, self._graphs)
         return twin
 
     def ingest(self, ctx: DraftContext) -> None:

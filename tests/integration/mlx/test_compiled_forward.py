@@ -169,3 +169,37 @@ def test_a_compiled_markov_chain_drafts_what_the_eager_one_does(
             None if batched[1] is None else batched[1].tolist(),
         )
     assert out["on"] == out["off"]
+
+
+@pytest.mark.parametrize(("kind", "sliding"), [("dspark", None), ("dflash", None), ("dflash", 6)])
+def test_a_compiled_draft_block_equals_the_eager_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, sliding: int | None
+) -> None:
+    from tests.integration.drafters import helpers
+
+    model = helpers.tiny_target("qwen3", seed=2)
+    if kind == "dflash":
+        extra = {} if sliding is None else {"sliding_window": sliding}
+        path = helpers.write_dflash(tmp_path / kind, variant="sliding" if sliding else "v2", **extra)
+    else:
+        path = helpers.write_dspark(tmp_path / kind, model)
+    hidden = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(key_buckets.ENV, "on")
+        monkeypatch.setenv(compiled_forward.ENV, mode)
+        source = load_drafter(kind, str(path), model, bits=0)
+        cfg = source.drafter.config
+        features = mx.random.normal((40, len(cfg.target_layer_ids) * cfg.target_hidden_size), key=mx.random.key(1))
+        twin = source.fork()
+        rows = []
+        for cache in (source.cache, twin.cache):
+            cache.append(features[:25], 0)
+            cache.append(features[25:], 25)
+            rows.append(cache.block_hidden(source.block_ids(7), 40))
+            cache.append(features[:3], 40)  # the next round: three more rows, the same bucket
+            rows.append(cache.block_hidden(source.block_ids(9), 43))
+        hidden[mode] = rows
+        # Compiled once per (bucket, block) and shared by the fork; a sliding drafter stays eager.
+        assert len(source._graphs) == (1 if mode == "on" and sliding is None else 0)
+    for got, want in zip(hidden["on"], hidden["off"], strict=True):
+        assert mx.array_equal(got, want).item()

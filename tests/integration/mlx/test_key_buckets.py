@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from mlx_dspark.adapters.mlx import batched_target, cache_state, key_buckets
+from mlx_dspark.adapters.mlx import batched_target, cache_state, compiled_forward, key_buckets
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.drafters.backbone import ContextCache, DraftAttention
@@ -37,6 +37,7 @@ GREEDY = SamplingParams()
 @pytest.fixture
 def buckets_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(key_buckets.ENV, "on")
+    monkeypatch.setenv(compiled_forward.ENV, "off")  # the eager padded paths (test_compiled_forward.py: compiled)
 
 
 @pytest.fixture
@@ -208,6 +209,7 @@ def test_a_drafter_block_over_padded_context_gives_the_exact_hidden(
     hidden = {}
     for mode in ("off", "on"):
         monkeypatch.setenv(key_buckets.ENV, mode)
+        monkeypatch.setenv(compiled_forward.ENV, "off")
         cache = ContextCache(backbone)
         cache.append(features[:25], 0)
         cache.append(features[25:], 25)  # two appends: rows written at an offset inside the buffer
