@@ -20,7 +20,7 @@ from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.drafting.block import DraftBlock
-from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from mlx_dspark.domain.tokens import SamplingParams
 from tests.fakes.tiny_models import FAMILIES, tiny_model
 
 GREEDY = SamplingParams()
@@ -125,21 +125,12 @@ def test_greedy_decoding_with_a_drafter_equals_plain_decoding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: list[int], kind: str, opts: dict[str, Any]
 ) -> None:
     from tests.integration.drafters import helpers
-    from tests.integration.mlx.test_key_buckets import run
+    from tests.integration.mlx.test_key_buckets import assert_decodes_as_plain, tiny_source
 
     monkeypatch.setenv(key_buckets.ENV, "on")
     monkeypatch.setenv(compiled_forward.ENV, "on")
     model = helpers.tiny_target("qwen3", seed=2)
-    if kind == "dflash":
-        path = helpers.write_dflash(tmp_path / kind, **opts)
-    else:
-        path = helpers.write_dspark(tmp_path / kind, model, **opts)
-    source = load_drafter(kind, str(path), model, bits=0)
-    rng = random.Random(5)
-    for _ in range(4):
-        prompt = [rng.randrange(120) for _ in range(rng.randint(2, 30))]
-        stop = StopRule(max_tokens=rng.randint(8, 40))
-        assert run(model, prompt, stop, source=source) == run(model, prompt, stop), prompt
+    assert_decodes_as_plain(model, tiny_source(tmp_path, model, kind, opts), seed=5)
     assert calls and all(n > 1 for n in calls)
 
 

@@ -177,22 +177,41 @@ def test_greedy_decoding_with_buckets_equals_plain_decoding(
     tmp_path: Path, buckets_on: None, key_lengths: list[tuple[int, int]], kind: str, opts: dict[str, Any]
 ) -> None:
     model = helpers.tiny_target("qwen3", seed=2)
+
+    def padded() -> None:
+        # Both the verify and the drafter's block attended over whole buckets (plus the block's own rows).
+        assert any(q > 1 and k == 256 for q, k in key_lengths), key_lengths
+        assert any(q > 1 and k == 256 + q for q, k in key_lengths), key_lengths
+
+    source = tiny_source(tmp_path, model, kind, opts)
+    assert_decodes_as_plain(model, source, seed=3, seen=key_lengths, check=padded)
+
+
+def tiny_source(tmp: Path, model: Any, kind: str, opts: dict[str, Any]) -> Any:
+    """A tiny DSpark or DFlash source for `model` (a DFlash "sliding" variant gets a 6-row window)."""
     if kind == "dflash":
-        extra = {"sliding_window": 6} if opts["variant"] == "sliding" else {}
-        path = helpers.write_dflash(tmp_path / kind, variant=opts["variant"], **extra)
+        extra = {"sliding_window": 6} if opts.get("variant") == "sliding" else {}
+        path = helpers.write_dflash(tmp / kind, **opts, **extra)
     else:
-        path = helpers.write_dspark(tmp_path / kind, model, **opts)
-    source = load_drafter(kind, str(path), model, bits=0)
-    rng = random.Random(3)
+        path = helpers.write_dspark(tmp / kind, model, **opts)
+    return load_drafter(kind, str(path), model, bits=0)
+
+
+def assert_decodes_as_plain(
+    model: Any, source: Any, *, seed: int, seen: list[Any] | None = None, check: Any = None
+) -> None:
+    """Greedy decoding with `source` equals plain decoding on four random prompts and budgets; `seen` is
+    emptied before each speculative run and `check()` called after it."""
+    rng = random.Random(seed)
     for _ in range(4):
         prompt = [rng.randrange(120) for _ in range(rng.randint(2, 30))]
         stop = StopRule(max_tokens=rng.randint(8, 40))
         expected = run(model, prompt, stop)
-        key_lengths.clear()
+        if seen is not None:
+            seen.clear()
         assert run(model, prompt, stop, source=source) == expected, prompt
-        # Both the verify and the drafter's block attended over whole buckets (plus the block's own rows).
-        assert any(q > 1 and k == 256 for q, k in key_lengths), key_lengths
-        assert any(q > 1 and k == 256 + q for q, k in key_lengths), key_lengths
+        if check is not None:
+            check()
 
 
 @pytest.mark.parametrize("sliding", [None, 6])
