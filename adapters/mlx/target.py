@@ -12,6 +12,7 @@ queued step is invisible: it is used only by the verify it predicted, and droppe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -591,9 +592,14 @@ class MlxTargetModel:
         `compiled`: a verify, run as the compiled graph where that applies (`compiled_forward`)."""
         if compiled and self._compiled is not None and self._compiled.applies(self._caches, int(tokens.shape[0])):
             layers = tuple(sorted(self._recorder.wanted)) if record and self._capture else ()
-            logits, features = self._compiled(tokens, self._caches, layers)
-            self._recorder.rows = dict(zip(layers, features, strict=True))
-            return logits
+            try:
+                logits, features = self._compiled(tokens, self._caches, layers)
+            except Exception as exc:  # a backend that cannot trace this model: verify eagerly from now on
+                warnings.warn(f"compiled verify off for this model: {exc!r}", RuntimeWarning, stacklevel=2)
+                self._compiled = None
+            else:
+                self._recorder.rows = dict(zip(layers, features, strict=True))
+                return logits
         self._hub.recorder = self._recorder
         self._recorder.active = record and bool(self._capture)
         try:

@@ -194,3 +194,15 @@ def test_a_compiled_draft_block_equals_the_eager_one(
         assert len(source._graphs) == (1 if mode == "on" and sliding is None else 0)
     for got, want in zip(hidden["on"], hidden["off"], strict=True):
         assert mx.array_equal(got, want).item()
+
+
+def test_a_model_that_cannot_be_traced_verifies_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def untraceable(self: Any, tokens: mx.array, caches: Any, layers: Any) -> Any:
+        raise NotImplementedError("no trace here")
+
+    eager = rounds(target(monkeypatch, "qwen3", compiled=False), 2)
+    t = target(monkeypatch, "qwen3", compiled=True)
+    monkeypatch.setattr(CompiledForward, "__call__", untraceable)
+    with pytest.warns(RuntimeWarning, match="compiled verify off for this model: NotImplementedError"):
+        assert rounds(t, 2) == eager
+    assert t._compiled is None
