@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {"device": str(mx.default_device()), "dtype": args.dtype, "results": {}}
     targets: list[tuple[str, Any]] = []
     if args.model:
-        targets.append(("real", lambda: db.load_module(Path(args.model), args.dtype)))
+        full = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.dtype]  # the loader's names
+        targets.append(("real", lambda: db.load_module(Path(args.model), full)))
     for shape in [s for s in args.shapes.split(",") if s]:
         family, cfg = db.shape_config(shape, tiny=args.tiny)
         targets.append((shape, lambda family=family, cfg=cfg: db.random_model(family, cfg, dtype)))
