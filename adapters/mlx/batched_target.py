@@ -86,22 +86,23 @@ class _HoleCache(BatchKVCache):  # type: ignore[misc]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         key_buckets.disarm()
-        if self._buckets() and self.keys is not None and N <= key_buckets.MAX_QUERY and not kwargs.get("window_size"):
+        padded = (
+            self._buckets() and self.keys is not None and N <= key_buckets.MAX_QUERY and not kwargs.get("window_size")
+        )
+        if padded:
             width = key_buckets.width_after(self.keys, self._idx + N)
-            columns = mx.arange(width)[None]
-            mask = (mx.arange(self._idx, self._idx + N)[:, None] >= columns) & (
-                self.left_padding[:, None, None, None] <= columns
-            )
-            alive = self.holes.columns(width) if self.holes is not None else None
-            if alive is not None:
-                mask = mask & alive[:, None, None, :]
-            key_buckets.arm(self._idx, N, width)
-            return key_buckets.additive(mask, self.keys.dtype)
-        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
-        alive = self.holes.columns(self._idx + N) if self.holes is not None else None
+            columns = mx.arange(width)
+            mask = key_buckets.visible(N, self._idx, width, None) & (self.left_padding[:, None, None, None] <= columns)
+        else:
+            width = self._idx + N
+            mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        alive = self.holes.columns(width) if self.holes is not None else None
         if alive is not None:
             mask = mask & alive[:, None, None, :]
-        return mask
+        if not padded:
+            return mask
+        key_buckets.arm(self._idx, N, width)
+        return key_buckets.additive(mask, self.keys.dtype)
 
 
 class _RingRows:

@@ -46,11 +46,7 @@ class TracedKV:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **kwargs: Any) -> mx.array:
         if window_size is not None:  # only dense-KV targets are compiled (see `applies`)
             raise NotImplementedError("a sliding-window mask in a compiled forward")
-        seen = mx.arange(self.keys.shape[2])[None] <= (self.offset + mx.arange(n))[:, None]
-        return key_buckets.additive(seen, self.keys.dtype)
-
-
-Recording = tuple[Any, Sequence[int]]  # (the target's recorder, the layer ids it records), or None
+        return key_buckets.visible(n, self.offset, self.keys.shape[2], self.keys.dtype)
 
 
 class CompiledForward:
@@ -58,7 +54,8 @@ class CompiledForward:
 
     Args:
         model: the mlx-lm module (its weights are constants of the graph: they never change at inference).
-        start_recording: `(recorder, layers)` → arms the target's layer taps for one traced forward.
+        start_recording: `layers` → the target's recorder, its layer taps armed for one traced forward (its
+            `rows` then hold those layers' hidden states).
     """
 
     def __init__(self, model: Any, start_recording: Callable[[Sequence[int]], Any]) -> None:

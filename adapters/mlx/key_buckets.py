@@ -38,11 +38,12 @@ def capacity(rows: int) -> int:
     return max(STEP, -(-rows // STEP) * STEP)
 
 
-def visible(n: int, offset: int, width: int, dtype: mx.Dtype | None) -> mx.array:
-    """The causal mask of `n` query rows at positions offset… over `width` key rows (rows past the last query
-    hidden): additive in `dtype` (so attention does not convert it in every layer), boolean when None."""
+def visible(n: int, offset: int | mx.array, width: int, dtype: mx.Dtype | None) -> mx.array:
+    """The causal mask of `n` query rows at positions offset… (an int, or an array inside a compiled graph) over
+    `width` key rows (rows past the last query hidden): additive in `dtype` (so attention does not convert it in
+    every layer), boolean when None."""
     keys = mx.arange(width)[None]
-    queries = mx.arange(offset, offset + n)[:, None]
+    queries = (offset + mx.arange(n))[:, None]
     return additive(keys <= queries, dtype)
 
 

@@ -432,8 +432,7 @@ class ContextCache:
         if not self._buckets or ctx is None or keys is None or values is None:
             return ctx, self._mask(i, ctx, anchor_position, length)
         cap, used = keys.shape[2], self._len[i]
-        cols = mx.arange(cap + length)
-        seen = (cols < used) | (cols >= cap)
+        seen = _written(used, cap, length)
         exact = self._mask(i, ctx, anchor_position, length)
         if exact is None:
             seen = mx.broadcast_to(seen[None], (length, cap + length))
@@ -441,8 +440,7 @@ class ContextCache:
             hidden = mx.zeros((length, cap - used), dtype=mx.bool_)
             spread = mx.concatenate([exact[:, :used], hidden, exact[:, used:]], axis=1)
             seen = spread & seen[None]
-        dtype = self._backbone.dtype
-        return (keys, values), mx.where(seen, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+        return (keys, values), key_buckets.additive(seen, self._backbone.dtype)
 
     def block_hidden(self, ids: mx.array, anchor_position: int) -> mx.array:
         """`forward` of the block `ids` [1, L] (embedded here). With key buckets and compiled forwards on, a
@@ -489,14 +487,20 @@ class ContextCache:
         return backbone.norm(x)
 
 
+def _written(used: int | mx.array, cap: int, length: int) -> mx.array:
+    """Boolean [cap + length]: which columns of [a `cap`-row context buffer ; the block] hold rows (the first
+    `used` context rows and the block's own)."""
+    cols = mx.arange(cap + length)
+    return (cols < used) | (cols >= cap)
+
+
 def _block_graph(backbone: DrafterBackbone, cap: int, length: int) -> Any:
     """The block forward over whole `cap`-row context buffers, `used` rows of them written (for `mx.compile`)."""
 
     def forward(ids: mx.array, position: mx.array, used: mx.array, *buffers: mx.array) -> mx.array:
         dtype = backbone.dtype
         x = backbone.embed_block(ids).astype(dtype)
-        cols = mx.arange(cap + length)
-        seen = mx.broadcast_to(((cols < used) | (cols >= cap))[None], (length, cap + length))
+        seen = mx.broadcast_to(_written(used, cap, length)[None], (length, cap + length))
         mask = key_buckets.additive(seen, dtype)
         for i, layer in enumerate(backbone.layers):
             x = layer(x, position, (buffers[2 * i], buffers[2 * i + 1]), mask)
