@@ -105,17 +105,18 @@ def test_the_buffer_grows_inside_a_compiled_round(monkeypatch: pytest.MonkeyPatc
     t = target(monkeypatch, "qwen3", compiled=True)
     e = target(monkeypatch, "qwen3", compiled=False)
     prompt = list(range(3, 99)) * 2 + list(range(3, 63))  # 252 rows: the next verify crosses 256
+    verdicts = []
     for x in (t, e):
         anchor = x.prefill(prompt, GREEDY, 0.5)
-        verdict = x.verify(anchor, DraftBlock(tokens=(1, 2, 3, 4, 5, 6, 7)), GREEDY, [0.5] * 8)
+        verdicts.append(x.verify(anchor, DraftBlock(tokens=(1, 2, 3, 4, 5, 6, 7)), GREEDY, [0.5] * 8))
         x.commit(8)
+    assert verdicts[0] == verdicts[1]
     assert calls == [8]
     assert t._caches[0].keys.shape[2] == e._caches[0].keys.shape[2] == 512
     assert t.cached_tokens == e.cached_tokens
     want = e.take_features()
     got = t.take_features()
     assert want is not None and got is not None and mx.array_equal(got, want).item()
-    del verdict
 
 
 @pytest.mark.parametrize(
