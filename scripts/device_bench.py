@@ -657,6 +657,7 @@ def run_real(
             "load_s": load_s,
             "drafter_errors": errors,
             "key_buckets": _key_buckets(),
+            "row_products": _row_products(),
             "protocol": (
                 "per mode: first = one request at a prompt length no request of this process had; then the "
                 f"{len(seen_set)} held-out prompts twice (seen_once = the second pass; bench `runs`); warm = the "
@@ -1237,12 +1238,23 @@ def _key_buckets() -> bool | str:
         return repr(exc)
 
 
+def _row_products() -> bool | str:
+    """Whether this run's few-row projections ran as row products (MLX_DSPARK_ROW_PRODUCTS)."""
+    try:
+        from mlx_dspark.adapters.mlx import row_products
+
+        return row_products.enabled()
+    except (ImportError, ValueError) as exc:
+        return repr(exc)
+
+
 def real_table(doc: dict[str, Any]) -> str:
     bench = doc.get("device_bench", {})
     speed = {m["mode"]: m for m in doc.get("modes", [])}
     lines = [
         f"Real model `{doc.get('model')}` ({bench.get('dtype')}), {doc.get('settings', {}).get('max_tokens')} "
-        f"tokens, cap {bench.get('max_draft') or 'measured'}, key buckets {bench.get('key_buckets')}; tok/s; "
+        f"tokens, cap {bench.get('max_draft') or 'measured'}, key buckets {bench.get('key_buckets')}, "
+        f"row products {bench.get('row_products')}; tok/s; "
         "per-round ms: medians of the marked (and profiled) runs.",
         "",
         "| mode | first request | seen once (min-median-max) | warm | x plain (seen once) | accepted/round "

@@ -13,8 +13,8 @@ on the device (all drafts kept, so every round has the same shape as a fully acc
   (per --caches kind: plain = mlx-lm's caches; bucketed = the engine's key-bucketed ones, whose wide forwards
   attend over a fixed key length per 256 rows, adapters/mlx/key_buckets.py; compiled = those with each wide
   forward replayed as one compiled graph, adapters/mlx/compiled_forward.py; rowwise = compiled, with every
-  projection of a wide forward run as a batch of one-row products, the matrix-vector kernels a plain step uses
-  instead of GEMMs: the H200 spent ~8 ms of dispatch on 8 rows against ~2.3 ms on one)
+  projection of a wide forward run as a batch of one-row products (`row_products`), the matrix-vector kernel a
+  plain step uses instead of a cuBLAS GEMM: the H200 spent ~8 ms of dispatch on 8 rows against ~2.3 ms on one)
   repeat_ms    the same rounds again over the same cache lengths (every shape seen once): what a per-shape cost
                (kernel JIT, graph instantiation) adds is synced_ms - repeat_ms
   overlapped   the next round built and dispatched from the device-side verdict before this one is read (the
@@ -45,23 +45,19 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dspark.adapters.mlx import caches  # importable once device_bench has mapped the checkout
+from mlx_dspark.adapters.mlx import caches, row_products  # importable once device_bench has mapped the checkout
 from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 
 PROMPT = 64  # cached rows before the first round
 
 
 _COMPILED: dict[tuple[int, str], CompiledForward] = {}  # per model and kind: the engine's compiled verify forward
-ROWWISE_MAX_OUT = 32768  # wider projections (the vocabulary head) keep their GEMM: rows would re-read the matrix
 _LINEAR = nn.Linear.__call__
 
 
 def _rowwise(self: nn.Linear, x: mx.array) -> mx.array:
-    """x [..., n, in] as n one-row products with the weight (a batched matrix-vector kernel), for 1 < n <= 32."""
-    if x.ndim < 2 or not 1 < x.shape[-2] <= 32 or self.weight.shape[0] > ROWWISE_MAX_OUT:
-        return _LINEAR(self, x)
-    y = (x.reshape(-1, 1, x.shape[-1]) @ self.weight.T).reshape(*x.shape[:-1], -1)
-    return y + self.bias if "bias" in self else y
+    """The engine's row products (`row_products.RowLinear`) for this module, switch or not."""
+    return row_products.project(self, x) if self.weight.shape[0] <= row_products.MAX_OUT else _LINEAR(self, x)
 
 
 class _Unrecorded:

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state, compiled_forward, cpu_kernels, forward_cost, key_buckets
+from mlx_dspark.adapters.mlx import cache_state, compiled_forward, cpu_kernels, forward_cost, key_buckets, row_products
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, greedy_accept, pick_token
 from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
@@ -178,6 +178,7 @@ class MlxTargetModel:
         self._model = model
         model.eval()
         cpu_kernels.install(model)
+        row_products.install(model)  # few-row projections as matrix-vector products where that pays (CUDA)
         self._layers = [layer for layer in model.layers if layer is not None]
         self._hidden = _model_arg(model, "hidden_size")
         self._vocab = _model_arg(model, "vocab_size")

@@ -10,6 +10,7 @@ from typing import Any, Self, cast
 
 import mlx.core as mx
 
+from mlx_dspark.adapters.mlx import row_products
 from mlx_dspark.adapters.mlx.acceptance import sample_index, truncated_probs
 from mlx_dspark.adapters.mlx.drafters.backbone import ContextCache, DrafterBackbone
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
@@ -28,6 +29,7 @@ class BackboneDraftSource:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         self.drafter = drafter
+        row_products.install(drafter)  # its blocks' projections, as the target's verify (CUDA)
         self.proposal = proposal
         self._graphs: dict[tuple[int, ...], Any] = {}  # compiled block forwards, shared by every fork
         self.cache = ContextCache(drafter, self._graphs)

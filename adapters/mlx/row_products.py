@@ -1,0 +1,75 @@
+"""Projections of a few rows as one-row products, for backends whose matrix multiply costs host time per call.
+
+MLX's CUDA backend sends a product of more than one row to cuBLASLt, and builds its call from scratch every
+time: descriptors, an algorithm heuristic (`cublasLtMatmulAlgoGetHeuristic`, not cached), a workspace and a
+graph capture, all on the host. A one-row product runs MLX's own matrix-vector kernel instead. A 28-layer
+verify has ~196 projections, so an 8-row round spent ~8 ms in dispatch where a plain step spent ~2.3 ms (H200,
+2026-12-03). Here a projection of 2..`MAX_ROWS` rows runs as a batch of one-row products, `W @ x_i`: MLX's
+batched matrix-vector kernel, the same per-row arithmetic as a plain step's projection, with the weight re-read
+from the L2 cache for each row. Written as `x_i @ W.T` it would not work: MLX folds a batch of one-row products
+against one matrix back into a single GEMM. Vocabulary-wide heads (more than `MAX_OUT` outputs) keep their
+GEMM: re-reading a head that does not fit the cache would cost more than the call.
+
+Metal and the CPU have no such per-call cost (and the CPU's BLAS is faster on one GEMM), so "auto" installs this
+on CUDA only. `install` changes the class of a model's own `nn.Linear` modules, so it is per model, not a
+process-wide patch: another model in the same process keeps MLX's path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+
+ENV = "MLX_DSPARK_ROW_PRODUCTS"  # "auto" (CUDA only), "on", "off"
+MAX_ROWS = 32  # widest projection run as row products: a verify or a draft block, not a prefill chunk
+MAX_OUT = 32768  # projections with more outputs (a vocabulary head) keep their GEMM
+_LINEAR = nn.Linear.__call__  # MLX's own projection
+
+
+def enabled() -> bool:
+    """Whether models loaded in this process run their few-row projections as row products."""
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV} must be auto, on or off, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return bool(mx.default_device().type == mx.gpu and mx.cuda.is_available())
+
+
+def product(weight: mx.array, x: mx.array) -> mx.array:
+    """x [..., in] @ weight.T for weight [out, in], as one matrix-vector product per row of x."""
+    rows = x.size // x.shape[-1]
+    y = weight[None] @ x.reshape(rows, x.shape[-1], 1)  # [rows, out, 1]: the matrix broadcast, never folded
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def project(module: nn.Linear, x: mx.array) -> mx.array:
+    """`module(x)`, with 2..MAX_ROWS rows of x as row products (MLX's own projection otherwise)."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    if not 1 < rows <= MAX_ROWS:
+        return _LINEAR(module, x)
+    y = product(module.weight, x)
+    return y + module["bias"] if "bias" in module else y
+
+
+class RowLinear(nn.Linear):
+    """`nn.Linear` whose projections of 2..MAX_ROWS rows run as row products (same weights, same state)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return project(self, x)
+
+
+def install(model: Any) -> int:
+    """Give `model`'s plain `nn.Linear` modules (up to MAX_OUT outputs) the row-product path where `enabled()`;
+    returns how many it changed (0 when off). Quantized and other projection kinds are left as they are."""
+    if not enabled():
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear and module.weight.shape[0] <= MAX_OUT:
+            module.__class__ = RowLinear
+            changed += 1
+    return changed

@@ -1,0 +1,132 @@
+"""Row products (`row_products`): few-row projections as one-row products, installed per model, lossless.
+
+On the CPU they run through the same graph as on CUDA (only the kernels differ), so every test forces the
+switch on; what they save is measured on the device (scripts/round_anatomy.py, the `rowwise` kind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+
+from mlx_dspark.adapters.mlx import compiled_forward, key_buckets, row_products
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from tests.fakes.tiny_models import FAMILIES
+from tests.integration.drafters import helpers
+from tests.integration.mlx import test_key_buckets as buckets_suite
+
+
+@pytest.fixture
+def rows_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The switch on (with key buckets and compiled verifies, as "auto" runs on CUDA); yields the row counts
+    of every row product built."""
+    monkeypatch.setenv(row_products.ENV, "on")
+    monkeypatch.setenv(key_buckets.ENV, "on")
+    monkeypatch.setenv(compiled_forward.ENV, "on")
+    built: list[int] = []
+    product = row_products.product
+
+    def spy(weight: mx.array, x: mx.array) -> mx.array:
+        built.append(x.size // x.shape[-1])
+        return product(weight, x)
+
+    monkeypatch.setattr(row_products, "product", spy)
+    yield built
+
+
+def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(row_products.ENV, "on")
+    assert row_products.enabled()
+    monkeypatch.setenv(row_products.ENV, "OFF")
+    assert not row_products.enabled()
+    monkeypatch.setenv(row_products.ENV, "auto")
+    assert not row_products.enabled()  # CUDA only: the CPU's BLAS runs one GEMM faster than many products
+    monkeypatch.setenv(row_products.ENV, "often")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        row_products.enabled()
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 64), (3, 4, 64), (5, 64), (1, 32, 64)])
+def test_a_row_product_is_the_projection(shape: tuple[int, ...]) -> None:
+    x = mx.random.normal(shape, key=mx.random.key(0))
+    weight = mx.random.normal((96, 64), key=mx.random.key(1))
+    got = row_products.product(weight, x)
+    assert got.shape == (*shape[:-1], 96)
+    assert mx.allclose(got, x @ weight.T, atol=1e-4, rtol=1e-5).item()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_only_few_row_projections_take_the_row_path(rows_on: list[int], bias: bool) -> None:
+    linear = nn.Linear(64, 96, bias=bias)
+    plain = nn.Linear(64, 96, bias=bias)
+    plain.update(linear.parameters())
+    linear.__class__ = row_products.RowLinear
+    for rows, taken in [(1, False), (2, True), (row_products.MAX_ROWS, True), (row_products.MAX_ROWS + 1, False)]:
+        rows_on.clear()
+        x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
+        got = linear(x)
+        assert (rows_on == [rows]) is taken, (rows, rows_on)
+        if taken:
+            assert mx.allclose(got, plain(x), atol=1e-4, rtol=1e-5).item()
+        else:  # MLX's own projection, bit for bit
+            assert mx.array_equal(got, plain(x)).item()
+
+
+def test_install_changes_this_model_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = helpers.tiny_target("qwen3", seed=2)
+    other = helpers.tiny_target("qwen3", seed=2)
+    head = nn.Linear(8, row_products.MAX_OUT + 1, bias=False)  # a vocabulary-wide head keeps its GEMM
+    quantized = nn.QuantizedLinear(64, 64, bias=False)
+    model.extra = [head, quantized]
+    linears = [m for _, m in model.named_modules() if type(m) is nn.Linear]
+    monkeypatch.setenv(row_products.ENV, "off")
+    assert row_products.install(model) == 0
+    monkeypatch.setenv(row_products.ENV, "on")
+    assert row_products.install(model) == len(linears) - 1
+    assert all(type(m) is row_products.RowLinear for m in linears if m is not head)
+    assert type(head) is nn.Linear and type(quantized) is nn.QuantizedLinear
+    assert row_products.install(model) == 0  # idempotent
+    assert not any(type(m) is row_products.RowLinear for _, m in other.named_modules())
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert mx.allclose(model(tokens), other(tokens), atol=1e-4, rtol=1e-4).item()
+
+
+def test_the_target_and_the_drafters_install_it(tmp_path: Path, rows_on: list[int]) -> None:
+    model = helpers.tiny_target("qwen3", seed=2)
+    MlxTargetModel(model)
+    assert any(type(m) is row_products.RowLinear for _, m in model.named_modules())
+    for kind, opts in [("dspark", {"packaging": "deepspec"}), ("dflash", {"variant": "v2"})]:
+        source = buckets_suite.tiny_source(tmp_path, model, kind, opts)
+        assert any(type(m) is row_products.RowLinear for _, m in source.drafter.named_modules()), kind
+
+
+@pytest.mark.parametrize(
+    ("kind", "opts"),
+    [("dspark", {"packaging": "deepspec"}), ("dflash", {"variant": "v2"})],
+    ids=["dspark", "dflash"],
+)
+def test_greedy_decoding_with_row_products_equals_plain_decoding(
+    tmp_path: Path, rows_on: list[int], kind: str, opts: dict[str, Any]
+) -> None:
+    model = helpers.tiny_target("qwen3", seed=2)
+    source = buckets_suite.tiny_source(tmp_path, model, kind, opts)
+
+    def taken() -> None:  # verifies and draft blocks ran their projections as row products
+        assert any(rows > 1 for rows in rows_on), rows_on
+        rows_on.clear()
+
+    buckets_suite.assert_decodes_as_plain(model, source, seed=5, check=taken)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_with_row_products_as_mlx_lm_does(rows_on: list[int], family: str) -> None:
+    # The rollback suite (right, partly wrong and random drafts; sliding windows, recurrent state).
+    from tests.integration.mlx import test_target_greedy as suite
+
+    suite.test_speculative_equals_plain_and_mlx_lm(family)
+    assert any(rows > 1 for rows in rows_on)
