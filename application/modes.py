@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 
 from mlx_dspark.application.auto_mode import measure_and_choose, measured_cap_factory
 from mlx_dspark.application.chat_service import ChatService
+from mlx_dspark.application.draft_models import DRAFT
+from mlx_dspark.application.draft_models import configured as draft_configured
+from mlx_dspark.application.draft_models import load_source as load_draft_model_source
 from mlx_dspark.application.generation import ChatPrompt, GenerationService
 from mlx_dspark.application.ports import LoadedModel, ModelLoader
 from mlx_dspark.application.services import Services
@@ -19,8 +22,8 @@ from mlx_dspark.domain.drafting.selection import PLAIN
 from mlx_dspark.domain.errors import DomainError, InvalidRequest
 from mlx_dspark.domain.ports import DraftSource
 
-SPECULATIVE_KINDS = ("dspark", "dflash", "lookup")
-BENCH_MODES = (PLAIN, "lookup", "dflash", "dspark", "auto")
+SPECULATIVE_KINDS = ("dspark", "dflash", "lookup", DRAFT)
+BENCH_MODES = (PLAIN, "lookup", "dflash", "dspark", DRAFT, "auto")
 
 
 def _chat_prompt(services: Services, settings: Settings) -> ChatPrompt:
@@ -54,6 +57,8 @@ def load_source(
     """
     if kind == PLAIN:
         return None
+    if kind == DRAFT:
+        return load_draft_model_source(loader, model, settings.model.draft_model)
     spec = settings.model.drafter
     if spec and only_own_kind and kind != "lookup" and loader.drafter_kind(spec) not in (None, kind):
         spec = None
@@ -151,7 +156,7 @@ def auto_candidates(
             given, a source that fails to load raises.
     """
     candidates: dict[str, DraftSource | None] = {PLAIN: None}
-    available = set(loader.available_drafters(model))
+    available = available_sources(loader, settings, model)
     wanted = [k for k in kinds if k != PLAIN] if kinds is not None else [k for k in SPECULATIVE_KINDS if k in available]
     for kind in wanted:
         try:
@@ -166,7 +171,18 @@ def auto_candidates(
     return candidates
 
 
-def bench_modes(loader: ModelLoader, model: LoadedModel, requested: Sequence[str] | None) -> tuple[list[str], bool]:
+def available_sources(loader: ModelLoader, settings: Settings, model: LoadedModel) -> set[str]:
+    """The draft sources that can run on `model` as configured: the loader's, and a draft model when the target
+    has one (given with --draft-model, or its default partner)."""
+    available = set(loader.available_drafters(model))
+    if draft_configured(model.name, settings.model.draft_model):
+        available.add(DRAFT)
+    return available
+
+
+def bench_modes(
+    loader: ModelLoader, settings: Settings, model: LoadedModel, requested: Sequence[str] | None
+) -> tuple[list[str], bool]:
     """The modes `mlx-dspark bench` runs: the requested ones (checked), else plain decoding, every available
     drafter and auto; plain decoding always first, since speedups are against it.
 
@@ -179,7 +195,7 @@ def bench_modes(loader: ModelLoader, model: LoadedModel, requested: Sequence[str
         if bad:
             raise InvalidRequest(message=f"unknown mode(s) {bad}; choose from {', '.join(MODES)}", param="modes")
     else:
-        available = set(loader.available_drafters(model))
+        available = available_sources(loader, settings, model)
         modes = [m for m in BENCH_MODES if m in {PLAIN, "auto"} or m in available]
     if PLAIN not in modes:
         modes.insert(0, PLAIN)
@@ -196,7 +212,7 @@ def bench_runners(
 ) -> dict[str, GenerationService]:
     """One GenerationService per bench mode on one loaded target (a mode that cannot load is skipped,
     unless it was asked for); `progress` and `fraction` as in `build_generator`."""
-    modes, explicit = bench_modes(services.loader, model, requested)
+    modes, explicit = bench_modes(services.loader, settings, model, requested)
     runners: dict[str, GenerationService] = {}
     for mode in modes:
         try:

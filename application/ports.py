@@ -44,6 +44,10 @@ class ModelLoader(Protocol):
         """
         ...
 
+    def draft_model_source(self, draft: LoadedModel) -> DraftSource:
+        """A draft source over the loaded model `draft` (the application has checked its vocabulary)."""
+        ...
+
     def available_drafters(self, model: LoadedModel) -> Sequence[str]:
         """Kinds of draft source that can run on `model` without extra arguments."""
         ...

@@ -11,7 +11,7 @@ import cattrs
 
 from mlx_dspark.domain.errors import InvalidRequest
 
-MODES = ("auto", "baseline", "lookup", "dflash", "dspark")
+MODES = ("auto", "baseline", "lookup", "dflash", "dspark", "draft")
 ENV_PREFIX = "MLX_DSPARK_"
 
 
@@ -25,6 +25,7 @@ class ModelSettings:
     model: str = "default"
     mode: str = attrs.field(default="auto", validator=_check_mode)
     drafter: str | None = None
+    draft_model: str | None = None  # --mode draft (and bench --against mlx-lm-draft): NAME|DIR
     drafter_bits: int | None = None  # None = whichever is measured faster on this device
     max_draft: str = "auto"  # an integer or "auto"
     confidence_threshold: float = 0.0

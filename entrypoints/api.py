@@ -118,6 +118,7 @@ def load(
     *,
     mode: str = "auto",
     drafter: str | None = None,
+    draft_model: str | None = None,
     max_draft: int | str = "auto",
     drafter_bits: int | None = None,
     services: Services | None = None,
@@ -127,15 +128,17 @@ def load(
 
     Args:
         model: "default" (embedded SmolLM2-135M-Instruct), a local dir, a Hugging Face repo id, or a .gguf file.
-        mode: "auto" (measured winner), "baseline", "lookup", "dflash" or "dspark".
+        mode: "auto" (measured winner), "baseline", "lookup", "dflash", "dspark" or "draft".
         drafter: drafter checkpoint (local dir or repo id) for dflash/dspark.
+        draft_model: the draft model of mode "draft" (a named model, local dir, repo id or .gguf of the
+            target's vocabulary; default: the target's partner, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b).
         max_draft: draft cap per round, or "auto" (from measured cost curves).
         drafter_bits: quantize the drafter on load (4, 8, 0 = off; None = faster on this device).
         services: pre-wired services (tests pass fakes through bootstrap.build).
         **settings: any other settings field (temperature, max_tokens, cache_dir, ...) as defaults.
     """
     library_logging()
-    flags = {"model": model, "mode": mode, "drafter": drafter, "max_draft": str(max_draft),
+    flags = {"model": model, "mode": mode, "drafter": drafter, "draft_model": draft_model, "max_draft": str(max_draft),
              "drafter_bits": drafter_bits, **settings}
     resolved = load_settings(flags)
     if services is None:

@@ -375,6 +375,13 @@ class HfModelLoader:
         threshold = self._confidence_threshold if kind == "dspark" else 0.0
         return load_drafter(kind, spec, model.handle, target=model.target, bits=bits, confidence_threshold=threshold)
 
+    @staticmethod
+    def draft_model_source(draft: Any) -> Any:
+        """A draft-model source over the loaded model `draft` (its mlx-lm module, its own cache)."""
+        from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
+
+        return DraftModelSource(draft.target.model)
+
     def available_drafters(self, model: Any) -> Sequence[str]:
         """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""
         kinds = ["lookup", *packaged_drafters(model.name, self._cache)]

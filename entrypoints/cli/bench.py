@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         default=None,
-        help="comma-separated, any of baseline,lookup,dflash,dspark,auto (default: baseline, available drafters, auto)",
+        help="comma-separated, any of baseline,lookup,dflash,dspark,draft,auto (default: baseline, available "
+        "drafters, auto)",
     )
     p.add_argument(
         "--prompts",
@@ -53,19 +54,13 @@ def parser() -> argparse.ArgumentParser:
         "--concurrency",
         metavar="N,N,...",
         help="instead: aggregate decode tok/s of N requests batched together (e.g. 1,2,4,8), plain decoding and"
-        " each of --modes (baseline,lookup,dflash,dspark) at every N, paired against plain decoding",
+        " each of --modes (baseline,lookup,dflash,dspark,draft) at every N, paired against plain decoding",
     )
     p.add_argument(
         "--against",
         metavar="mlx-lm|mlx-lm-draft[,...]",
         help="also run mlx-lm on the same model and prompts (greedy), paired per prompt: its generate_step "
         "(mlx-lm) and/or its draft-model speculation, speculative_generate_step (mlx-lm-draft)",
-    )
-    p.add_argument(
-        "--draft-model",
-        metavar="NAME|DIR",
-        help="mlx-lm-draft's draft model (default: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b); it must share "
-        "the target's vocabulary",
     )
     p.add_argument(
         "--num-draft",
@@ -181,8 +176,8 @@ def _reference_specs(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     if kinds and args.temperature != 0:
         raise InvalidRequest(message="--against runs greedy only: use --temperature 0", param="against")
     if DRAFT_REFERENCE not in kinds:
-        if args.draft_model or args.num_draft:
-            raise InvalidRequest(message=f"--draft-model and --num-draft go with --against {DRAFT_REFERENCE}")
+        if args.num_draft:
+            raise InvalidRequest(message=f"--num-draft goes with --against {DRAFT_REFERENCE}")
         return kinds, []
     return kinds, num_draft_values(args.num_draft)
 

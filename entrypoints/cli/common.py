@@ -26,6 +26,12 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
     if mode:
         p.add_argument("--mode", choices=MODES, help="draft source (default auto: measured winner)")
     p.add_argument("--drafter", help="drafter checkpoint: local dir or Hugging Face repo id")
+    p.add_argument(
+        "--draft-model",
+        metavar="NAME|DIR",
+        help="the draft model of --mode draft (and of bench --against mlx-lm-draft): a named model, local dir, "
+        "repo id or .gguf sharing the target's vocabulary (default: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)",
+    )
     p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
     p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
     p.add_argument("--confidence-threshold", type=float, help="DSpark: stop the block when survival drops below")
@@ -61,6 +67,7 @@ def start(settings: Settings, *, quiet_logs: bool = False) -> Services:
 MODEL_FLAGS = (
     "model",
     "drafter",
+    "draft_model",
     "drafter_bits",
     "max_draft",
     "confidence_threshold",

@@ -13,13 +13,28 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.adapters.mlx import model_parts
 
 HIDDEN = 64
 VOCAB = 128
 LAYERS = 6
+
+
+def perturbed(model: Any, scale: float, *, seed: int = 0) -> Any:
+    """A copy of the mlx-lm `model` with every weight scaled by (1 + scale * noise): a draft model of its
+    vocabulary that agrees with it often, not always (0: the same function)."""
+    twin = type(model)(model.args)
+    key = mx.random.key(seed)
+    params = []
+    for name, w in tree_flatten(model.parameters()):
+        key, sub = mx.random.split(key)
+        params.append((name, w * (1 + scale * mx.random.normal(w.shape, key=sub)) if scale else w))
+    twin.update(tree_unflatten(params))
+    twin.eval()
+    mx.eval(twin.parameters())
+    return twin
 
 
 def tiny_target(family: str, seed: int = 0, *, vocab: int = VOCAB, bigram: bool = True) -> Any:

@@ -33,7 +33,7 @@ def run(
     model: Any, prompt: list[int], stop: StopRule, source: Any = None, sampling: SamplingParams = GREEDY, **kw: Any
 ) -> tuple[list[int], list[RoundFinished], Finished]:
     target = MlxTargetModel(model)
-    if source is not None:
+    if source is not None and source.uses_features:
         target.configure_capture(source.target_layer_ids)
     return collect(decode(target, prompt, sampling, stop, FakeClock(), source=source, **kw))
 

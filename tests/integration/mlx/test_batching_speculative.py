@@ -21,6 +21,7 @@ import attrs
 import pytest
 
 from mlx_dspark.adapters.mlx import batched_target
+from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.rows import mlx_rows
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
@@ -64,6 +65,8 @@ def service(
     source: Any
     if kind == "lookup":
         source = LookupDraftSource(block=BLOCK, min_n=min_n, max_n=max(3, min_n))
+    elif kind == "draft":
+        source = DraftModelSource(helpers.perturbed(model, 0.3, seed=4))
     else:
         source = load_drafter(
             kind, str(_drafter_dir(kind)), model, target=target, bits=0, confidence_threshold=threshold
@@ -117,7 +120,7 @@ def assert_like_solo(job: Job, want: Any) -> None:
     assert (got.rounds, got.drafted, got.accepted) == (want.rounds, want.drafted, want.accepted)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "lookup"])
+@pytest.mark.parametrize("kind", ["dspark", "lookup", "draft"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_speculative_rows_equal_solo_decoding(kind: str, sampled: bool, n: int) -> None:
@@ -131,7 +134,7 @@ def test_speculative_rows_equal_solo_decoding(kind: str, sampled: bool, n: int) 
         assert scheduler.widest > 1 and scheduler.drafting_steps > 0
         rounds = [e for rid, e in gen.telemetry.events if isinstance(e, RoundFinished)]  # type: ignore[attr-defined]
         assert any(r.accepted for r in rounds)
-        if kind == "dspark":  # rows rejected drafts and kept different numbers of rows: per-row rollback ran
+        if kind in ("dspark", "draft"):  # rows rejected drafts and kept different numbers of rows: per-row rollback ran
             assert any(r.drafted > r.accepted for r in rounds)
 
 

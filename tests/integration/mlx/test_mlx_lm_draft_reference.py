@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import pytest
 
+from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
 from mlx_dspark.adapters.mlx.mlx_lm_reference import MlxLmDraftReference, reference_speculative_generate
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application import bootstrap
@@ -98,6 +99,9 @@ class PairLoader:
     def load_drafter(self, kind: str, spec: str | None, model: LoadedModel, *, bits: int | None) -> DraftSource:
         return LookupDraftSource(block=4)
 
+    def draft_model_source(self, draft: LoadedModel) -> DraftSource:
+        return DraftModelSource(draft.handle)
+
     def available_drafters(self, model: LoadedModel) -> list[str]:
         return ["lookup"]
 
@@ -178,7 +182,7 @@ def _stderr_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--against", "mlx-lm-draft", "--draft-model", "other-tokenizer"], "tokenizes differently"),
         (["--against", "mlx-lm-draft", "--draft-model", "tiny-draft", "--num-draft", "0"], "positive integers"),
         (["--against", "mlx-lm-drafts"], "--against takes mlx-lm or mlx-lm-draft"),
-        (["--against", "mlx-lm", "--num-draft", "4"], "go with --against mlx-lm-draft"),
+        (["--against", "mlx-lm", "--num-draft", "4"], "goes with --against mlx-lm-draft"),
         (["--against", "mlx-lm-draft", "--draft-model", "tiny-draft", "--temperature", "0.7"], "greedy only"),
     ],
 )

@@ -1,0 +1,238 @@
+"""The draft-model source (`--mode draft`): a small model of the target's vocabulary drafting from its own KV
+cache. Greedy output equals plain decoding whatever the draft model (perfect, close, random, recurrent), its
+cache rolls back exactly, sampled output is distributed as the target's, and its drafts follow the q it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dspark.adapters.mlx.draft_model import MAX_BLOCK, DraftModelSource, shared_prefix
+from mlx_dspark.application import bootstrap
+from mlx_dspark.application.generation import GenerationRequest
+from mlx_dspark.application.modes import auto_candidates, build_generator
+from mlx_dspark.application.settings import load_settings
+from mlx_dspark.domain.costmodel.draft_cap import FixedCap
+from mlx_dspark.domain.drafting.block import DraftContext
+from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from mlx_dspark.entrypoints.cli import bench
+from tests.fakes.clock import RecordingTelemetrySink
+from tests.fakes.tiny_models import tiny_model
+from tests.integration.calibration.timed_fakes import MemoryStore
+from tests.integration.drafters import helpers
+from tests.integration.drafters.test_decode import exact_joint, pooled_p_value, run
+from tests.integration.mlx import test_mlx_lm_draft_reference as reference_suite
+from tests.integration.mlx.test_mlx_lm_draft_reference import PairLoader
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    return helpers.tiny_target("qwen3", seed=2)
+
+
+def drafts_for(target: Any, kind: str) -> Any:
+    if kind == "perfect":
+        return target
+    if kind == "close":
+        return helpers.perturbed(target, 0.3, seed=4)
+    if kind == "random":
+        return helpers.tiny_target("qwen3", seed=11)
+    # Recurrent layers: the cache cannot trim, so every rejection rebuilds it from the history.
+    return tiny_model("qwen3_5", seed=3, vocab_size=helpers.VOCAB)
+
+
+def test_the_shared_prefix() -> None:
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert shared_prefix([], [1]) == 0
+    assert shared_prefix([1, 2], [1, 2]) == 2
+
+
+@pytest.mark.parametrize("kind", ["perfect", "close", "random", "recurrent"])
+@pytest.mark.parametrize("cap", [1, 4, 9])
+def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -> None:
+    source = DraftModelSource(drafts_for(target, kind))
+    rng = random.Random(cap)
+    drafted = accepted = 0
+    for _ in range(3):
+        prompt = [rng.randrange(helpers.VOCAB) for _ in range(rng.randint(1, 20))]
+        stop = StopRule(max_tokens=rng.randint(10, 40))
+        expected, _, _ = run(target, prompt, stop)
+        got, rounds, _ = run(target, prompt, stop, source=source, cap_policy=FixedCap(cap))
+        assert got == expected, (kind, prompt)
+        drafted += sum(r.drafted for r in rounds)
+        accepted += sum(r.accepted for r in rounds)
+        # The draft model's cache holds exactly the committed tokens it has seen (its last drafts only where
+        # they were accepted), so rollback left nothing stale behind.
+        ids = source.cached_ids
+        assert list(ids) == (prompt + got)[: len(ids)]
+    assert drafted > 0
+    if kind == "perfect":
+        assert accepted == drafted  # its own drafts: every one accepted
+    if kind == "close":
+        assert 0 < accepted < drafted  # a mix of accepted and rejected drafts: rollback exercised
+
+
+@pytest.mark.parametrize("kind", ["close", "recurrent"])
+def test_the_rolled_back_cache_drafts_as_a_fresh_one(target: Any, kind: str) -> None:
+    draft = drafts_for(target, kind)
+    source = DraftModelSource(draft)
+    prompt = [5, 9, 2, 7]
+    got, rounds, _ = run(target, prompt, StopRule(max_tokens=30), source=source, cap_policy=FixedCap(5))
+    assert any(r.drafted > r.accepted for r in rounds)
+    history = [*prompt, *got]
+    ctx = DraftContext(anchor=history[-1], position=len(history) - 1, history=history)
+    block = source.propose(ctx, 5, SamplingParams(), [])
+    fresh = DraftModelSource(draft)
+    assert block.tokens == fresh.propose(ctx, 5, SamplingParams(), []).tokens
+
+
+def test_a_fork_drafts_on_its_own_cache(target: Any) -> None:
+    source = DraftModelSource(helpers.perturbed(target, 0.3, seed=4))
+    twin = source.fork()
+    assert twin.model is source.model
+    a = [3, 1, 4, 1, 5]
+    b = [9, 2, 6]
+    ctx_a = DraftContext(anchor=a[-1], position=len(a) - 1, history=a)
+    ctx_b = DraftContext(anchor=b[-1], position=len(b) - 1, history=b)
+    alone = DraftModelSource(source.model).propose(ctx_a, 4, SamplingParams(), []).tokens
+    assert len(twin.propose(ctx_b, 4, SamplingParams(), []).tokens) == 4
+    assert source.propose(ctx_a, 4, SamplingParams(), []).tokens == alone
+    assert twin.cached_ids[: len(b)] == tuple(b)
+
+
+def test_a_block_never_exceeds_the_cap_or_the_source_limit(target: Any) -> None:
+    source = DraftModelSource(target)
+    history = [1, 2, 3]
+    ctx = DraftContext(anchor=3, position=2, history=history)
+    assert len(source.propose(ctx, 0, SamplingParams(), [])) == 0
+    assert len(source.propose(ctx, 3, SamplingParams(), [])) == 3
+    assert len(source.propose(ctx, 99, SamplingParams(), [])) == MAX_BLOCK
+
+
+@pytest.mark.parametrize(
+    ("sampling", "proposal"),
+    [
+        (SamplingParams(temperature=2.0), "sample"),
+        (SamplingParams(temperature=1.5, top_k=6, top_p=0.95), "sample"),
+        (SamplingParams(temperature=2.0), "argmax"),
+    ],
+)
+def test_sampled_output_is_distributed_as_the_target(sampling: SamplingParams, proposal: str) -> None:
+    """Joint law of the first 3 tokens (prefill + a round of two drafts) vs the exact one."""
+    vocab = 16
+    model = helpers.tiny_target("qwen3", seed=5, vocab=vocab)
+    source = DraftModelSource(helpers.perturbed(model, 0.5, seed=6), proposal=proposal)
+    prompt = [3, 7]
+    joint = exact_joint(model, prompt, sampling, 3)
+    observed: Counter[tuple[int, ...]] = Counter()
+    accepted = rejected = 0
+    for i in range(400):
+        s = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=i)
+        got, rounds, _ = run(model, prompt, StopRule(max_tokens=3), source=source, sampling=s, cap_policy=FixedCap(2))
+        observed[tuple(got)] += 1
+        accepted += sum(r.accepted for r in rounds)
+        rejected += sum(r.drafted - r.accepted for r in rounds)
+    assert accepted > 0 and rejected > 0
+    assert set(observed) <= set(joint)
+    assert pooled_p_value(observed, joint) > 1e-3
+
+
+def test_sampled_drafts_follow_the_reported_q() -> None:
+    """Slot 0 is drawn from q_0; slot 1, given slot 0's token, from q_1 (the draft model's next distribution)."""
+    vocab = 16
+    model = helpers.tiny_target("qwen3", seed=5, vocab=vocab)
+    source = DraftModelSource(model)
+    history = [3, 7, 1]
+    ctx = DraftContext(anchor=1, position=2, history=history)
+    sampling = SamplingParams(temperature=1.5)
+    rng = random.Random(0)
+    first: Counter[int] = Counter()
+    second: dict[int, Counter[int]] = {}
+    q0: Any = None
+    q1: dict[int, Any] = {}
+    for _ in range(1000):
+        block = source.propose(ctx, 2, sampling, [rng.random(), rng.random()])
+        q = np.array(block.q)
+        q0 = q[0] if q0 is None else q0
+        np.testing.assert_allclose(q[0], q0, atol=1e-6)  # the same context each time: rollback is exact
+        x0, x1 = block.tokens
+        first[x0] += 1
+        second.setdefault(x0, Counter())[x1] += 1
+        q1.setdefault(x0, q[1])
+    # q_0 is the draft model's own tempered distribution after the history.
+    logits, _ = helpers.target_forward(model, history)
+    want = mx.softmax(logits[-1] / 1.5, axis=-1)
+    np.testing.assert_allclose(q0, np.array(want), atol=1e-5)
+    assert pooled_p_value(first, {t: float(q0[t]) for t in range(vocab) if q0[t] > 0}) > 1e-3
+    x0, counts = max(second.items(), key=lambda kv: sum(kv[1].values()))
+    row = q1[x0]
+    assert pooled_p_value(counts, {t: float(row[t]) for t in range(vocab) if row[t] > 0}) > 1e-3
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> PairLoader:
+    """The tiny target and its drafts by name; bench's settings from its own flags (--draft-model among them)."""
+    loader = PairLoader()
+
+    def start(args: Any, *_a: Any) -> tuple[Any, Any, Any]:
+        settings = load_settings({"model": "tiny", "max_draft": "4", "draft_model": args.draft_model}, {})
+        telemetry = RecordingTelemetrySink()
+        services = bootstrap.build(settings, loader=loader, telemetry=telemetry, calibration=MemoryStore())
+        return settings, services, loader.models["tiny"]
+
+    monkeypatch.setattr(bench, "start_with_model", start)
+    return loader
+
+
+def test_bench_runs_draft_mode_beside_mlx_lm_draft_speculation_with_the_same_draft_model(
+    pair: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--against", "mlx-lm-draft", "--draft-model", "tiny-draft", "--num-draft", "3",
+            "--modes", "baseline,draft", "--prompts", reference_suite._prompts(tmp_path), "--trials", "1",
+            "--max-tokens", "12", "--quiet", "--json"]  # fmt: skip
+    assert bench.main(argv) == 0
+    assert pair.loaded == ["tiny-draft", "tiny-draft"]  # the reference's and our mode's
+    doc = json.loads(capsys.readouterr().out)
+    by = {m["mode"]: m for m in doc["modes"]}
+    assert list(by) == ["baseline", "mlx-lm-draft@3", "draft"]
+    mine = [r for r in doc["runs"] if r["mode"] == "draft"]
+    assert mine and all(r["generated_tokens"] == 12 for r in mine)
+    assert by["draft"]["lossless"] is True  # greedy: the same tokens as plain decoding
+    assert by["draft"]["mean_accepted"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({}, "--mode draft needs --draft-model NAME|DIR"),
+        ({"draft_model": "other-tokenizer"}, "does not share the vocabulary"),
+        ({"draft_model": "narrow-draft"}, "does not share the vocabulary"),
+    ],
+)
+def test_draft_mode_refuses_a_missing_or_mismatched_draft_model(pair: Any, flags: dict[str, str], message: str) -> None:
+    settings = load_settings({"model": "tiny", "mode": "draft", **flags}, {})
+    services = bootstrap.build(settings, loader=pair, telemetry=RecordingTelemetrySink(), calibration=MemoryStore())
+    with pytest.raises(InvalidRequest, match=message):
+        build_generator(services, settings, model=pair.models["tiny"])
+
+
+def test_draft_mode_decodes_as_plain_and_auto_races_it(pair: Any) -> None:
+    settings = load_settings({"model": "tiny", "mode": "draft", "draft_model": "tiny-draft", "max_draft": "3"}, {})
+    services = bootstrap.build(settings, loader=pair, telemetry=RecordingTelemetrySink(), calibration=MemoryStore())
+    tiny = pair.models["tiny"]
+    plain = build_generator(services, settings, model=tiny, mode="baseline")
+    draft = build_generator(services, settings, model=tiny)
+    request = GenerationRequest(prompt=[5, 6, 7, 8], max_tokens=16, prefix_cache=False)
+    got = draft.generate(request)
+    assert got.token_ids == plain.generate(request).token_ids and got.drafted > 0
+    candidates = auto_candidates(pair, settings, tiny, lambda _m: None)
+    assert set(candidates) == {"baseline", "lookup", "draft"}
+    assert isinstance(candidates["draft"], DraftModelSource)
