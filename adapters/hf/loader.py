@@ -380,7 +380,7 @@ class HfModelLoader:
         """A draft-model source over the loaded model `draft` (its mlx-lm module, its own cache)."""
         from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
 
-        return DraftModelSource(draft.target.model)
+        return DraftModelSource(draft.target.model, identity=draft.identity)
 
     def available_drafters(self, model: Any) -> Sequence[str]:
         """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""

@@ -44,13 +44,15 @@ class DraftModelSource:
 
     Args:
         model: the draft model's mlx-lm module.
+        identity: the draft model's own identity (its calibrated cost curves are stored under it).
         proposal: "sample" (sampled requests draw from q) or "argmax" (always the argmax, one-hot q).
     """
 
-    def __init__(self, model: Any, *, proposal: str = "sample") -> None:
+    def __init__(self, model: Any, *, identity: str = "", proposal: str = "sample") -> None:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         self.model = model
+        self.identity = f"draft:{identity or type(model).__module__}:block={MAX_BLOCK}"
         self.proposal = proposal
         self._cache: list[Any] | None = None
         self._ids: list[int] = []  # the tokens whose rows the cache holds, in order

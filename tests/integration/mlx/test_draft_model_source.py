@@ -16,6 +16,7 @@ import pytest
 
 from mlx_dspark.adapters.mlx.draft_model import MAX_BLOCK, DraftModelSource, shared_prefix
 from mlx_dspark.application import bootstrap
+from mlx_dspark.application.calibration import drafter_identity
 from mlx_dspark.application.generation import GenerationRequest
 from mlx_dspark.application.modes import auto_candidates, build_generator
 from mlx_dspark.application.settings import load_settings
@@ -236,3 +237,7 @@ def test_draft_mode_decodes_as_plain_and_auto_races_it(pair: Any) -> None:
     candidates = auto_candidates(pair, settings, tiny, lambda _m: None)
     assert set(candidates) == {"baseline", "lookup", "draft"}
     assert isinstance(candidates["draft"], DraftModelSource)
+    # Its measured curves are stored under the draft model's identity: another draft model measures its own.
+    assert drafter_identity("draft", candidates["draft"]) == "draft:tiny/tiny-draft:block=16"
+    narrow = DraftModelSource(pair.models["narrow-draft"].handle, identity=pair.models["narrow-draft"].identity)
+    assert drafter_identity("draft", narrow) == "draft:tiny/narrow-draft:block=16"

@@ -100,7 +100,7 @@ class PairLoader:
         return LookupDraftSource(block=4)
 
     def draft_model_source(self, draft: LoadedModel) -> DraftSource:
-        return DraftModelSource(draft.handle)
+        return DraftModelSource(draft.handle, identity=draft.identity)
 
     def available_drafters(self, model: LoadedModel) -> list[str]:
         return ["lookup"]
