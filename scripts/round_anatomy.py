@@ -57,7 +57,7 @@ _LINEAR = nn.Linear.__call__
 
 def _rowwise(self: nn.Linear, x: mx.array) -> mx.array:
     """The engine's row products (`row_products.RowLinear`) for this module, switch or not."""
-    return row_products.project(self, x) if self.weight.shape[0] <= row_products.MAX_OUT else _LINEAR(self, x)
+    return row_products.project(self, x)
 
 
 class _Unrecorded:

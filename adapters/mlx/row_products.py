@@ -5,10 +5,16 @@ time: descriptors, an algorithm heuristic (`cublasLtMatmulAlgoGetHeuristic`, not
 graph capture, all on the host. A one-row product runs MLX's own matrix-vector kernel instead. A 28-layer
 verify has ~196 projections, so an 8-row round spent ~8 ms in dispatch where a plain step spent ~2.3 ms (H200,
 2026-12-03). Here a projection of 2..`MAX_ROWS` rows runs as a batch of one-row products, `W @ x_i`: MLX's
-batched matrix-vector kernel, the same per-row arithmetic as a plain step's projection, with the weight re-read
-from the L2 cache for each row. Written as `x_i @ W.T` it would not work: MLX folds a batch of one-row products
-against one matrix back into a single GEMM. Vocabulary-wide heads (more than `MAX_OUT` outputs) keep their
-GEMM: re-reading a head that does not fit the cache would cost more than the call.
+batched matrix-vector kernel, the same per-row arithmetic as a plain step's projection, with the weight read
+once per row. Written as `x_i @ W.T` it would not work: MLX folds a batch of one-row products against one matrix
+back into a single GEMM.
+
+Reading the weight once per row is cheap while it comes from the L2 cache and the device would idle anyway; for a
+large model it is device time, and a GEMM's host cost hides behind the device's own work. So a projection takes
+the row path only while rows x weight bytes stays within `MAX_BYTES`. On the H200 (bf16, 2026-12-03), every
+projection row products at widths 4-16: 30 layers of SmolLM2-135M (weights <= 1.8 MB, <= 28 MB re-read) went
+from 10.7 to 7.3 ms a round, while a Qwen3-4B shape (5-50 MB weights) went from 9.3-11.2 to 11.4-27.4 ms and a
+32B shape's oracle speedup fell from 4.2x to 1.4x; the budget keeps the first and leaves the others' GEMMs.
 
 Metal and the CPU have no such per-call cost (and the CPU's BLAS is faster on one GEMM), so "auto" installs this
 on CUDA only. `install` changes the class of a model's own `nn.Linear` modules, so it is per model, not a
@@ -25,7 +31,8 @@ from mlx import nn
 
 ENV = "MLX_DSPARK_ROW_PRODUCTS"  # "auto" (CUDA only), "on", "off"
 MAX_ROWS = 32  # widest projection run as row products: a verify or a draft block, not a prefill chunk
-MAX_OUT = 32768  # projections with more outputs (a vocabulary head) keep their GEMM
+# rows x weight bytes a projection may re-read (see the module docstring); MLX_DSPARK_ROW_BYTES sets it for a bench
+MAX_BYTES = int(os.environ.get("MLX_DSPARK_ROW_BYTES") or 32 << 20)
 _LINEAR = nn.Linear.__call__  # MLX's own projection
 
 
@@ -47,29 +54,30 @@ def product(weight: mx.array, x: mx.array) -> mx.array:
 
 
 def project(module: nn.Linear, x: mx.array) -> mx.array:
-    """`module(x)`, with 2..MAX_ROWS rows of x as row products (MLX's own projection otherwise)."""
+    """`module(x)`, with 2..MAX_ROWS rows of x as row products within the byte budget (MLX's own projection
+    otherwise)."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    if not 1 < rows <= MAX_ROWS:
+    if not 1 < rows <= MAX_ROWS or rows * module.weight.nbytes > MAX_BYTES:
         return _LINEAR(module, x)
     y = product(module.weight, x)
     return y + module["bias"] if "bias" in module else y
 
 
 class RowLinear(nn.Linear):
-    """`nn.Linear` whose projections of 2..MAX_ROWS rows run as row products (same weights, same state)."""
+    """`nn.Linear` whose few-row projections run as row products (`project`; same weights, same state)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return project(self, x)
 
 
 def install(model: Any) -> int:
-    """Give `model`'s plain `nn.Linear` modules (up to MAX_OUT outputs) the row-product path where `enabled()`;
-    returns how many it changed (0 when off). Quantized and other projection kinds are left as they are."""
+    """Give `model`'s plain `nn.Linear` modules the row-product path where `enabled()`; returns how many it
+    changed (0 when off). Quantized and other projection kinds are left as they are."""
     if not enabled():
         return 0
     changed = 0
     for _, module in model.named_modules():
-        if type(module) is nn.Linear and module.weight.shape[0] <= MAX_OUT:
+        if type(module) is nn.Linear:
             module.__class__ = RowLinear
             changed += 1
     return changed
