@@ -114,7 +114,8 @@ def build_generator(
             max_draft=cap,
             progress=measured,
         )
-        say(f"auto mode runs {choice.mode}" + (" (measured earlier)" if choice.from_cache else ""))
+        # The race's winner is where each request starts: auto may move a request to another source any round.
+        say(f"auto mode starts on {choice.mode}" + (" (measured earlier)" if choice.from_cache else ""))
         return GenerationService(
             model,
             selector=choice.selector,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -22,15 +22,21 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--max-tokens", type=int, help="hard cap on generated tokens (default 256)")
     p.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this probability (1 = off)")
+    p.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (0 = off)")
+    p.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same tokens (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", help="system prompt (chat template only)")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary line, only the text")
     return p
+
+
+def ran_on(source_rounds: Mapping[str, int]) -> str:
+    """Where an auto request's rounds went, most first: "dspark 30 rounds, lookup 4, baseline 2"."""
+    ranked = sorted(source_rounds.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{name} {n}" + (" rounds" if i == 0 else "") for i, (name, n) in enumerate(ranked))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -72,7 +78,8 @@ def main(argv: Sequence[str]) -> int:
                 else:
                     sys.stdout.write("\n")
                     sys.stdout.flush()
-                    ran = f" ({r.source})" if r.source != r.mode else ""
+                    ran = f" ({ran_on(r.source_rounds)})" if len(r.source_rounds) > 1 else ""
+                    ran = ran or (f" ({r.source})" if r.source != r.mode else "")
                     bar.note(
                         f"{r.generated_tokens} tokens, {r.tokens_per_second:.1f} tok/s, mode {r.mode}{ran}, "
                         f"{r.mean_accepted:.2f} per round, finish {r.finish_reason}"

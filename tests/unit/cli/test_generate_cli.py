@@ -96,3 +96,18 @@ def test_not_a_terminal_prints_only_the_text(
     monkeypatch.setattr(sys, "stderr", err)
     assert generate.main(["--prompt", "hi", "--mode", "baseline"]) == 0
     assert out.getvalue() == REPLY + "\n" and err.getvalue() == ""
+
+
+def test_every_sampling_flag_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        generate.parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, words in [("--top-p", "probability"), ("--top-k", "most likely"), ("--seed", "same tokens")]:
+        entry = text.split(f" {flag} {flag[2:].replace('-', '_').upper()} ")[1].split(" --")[0]
+        assert words in entry, (flag, entry)
+
+
+def test_an_auto_summary_names_where_its_rounds_went() -> None:
+    # The summary line used to name only the last source ("mode auto (dspark)") after announcing the race's.
+    assert generate.ran_on({"lookup": 4, "dspark": 30, "baseline": 2}) == "dspark 30 rounds, lookup 4, baseline 2"
+    assert generate.ran_on({"dspark": 7}) == "dspark 7 rounds"
