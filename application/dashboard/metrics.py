@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MEDIA_TYPE = "text/plain; version=0.0.4"  # the server adds "; charset=utf-8" to text types itself
 PREFIX = "mlx_dspark_"
 
 

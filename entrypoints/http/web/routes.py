@@ -247,7 +247,7 @@ async def prometheus(request: Request[Any, Any, Any]) -> Response[str]:
         http_streams=dict(ctx.stream_outcomes),
         engine_restarts=engine.restarts,
     )
-    return Response(content=body, media_type=metrics.CONTENT_TYPE)
+    return Response(content=body, media_type=metrics.MEDIA_TYPE)
 
 
 # ---- telemetry -----------------------------------------------------------------------------------------

@@ -151,6 +151,8 @@ def test_metrics_parse_as_prometheus_text_and_count_requests(web: WebServer) -> 
     def value(fams: dict[str, Any], name: str, **labels: str) -> float:
         return sum(s.value for s in fams[name].samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
+    # The exposition format's own content type, its charset once (it was repeated).
+    assert httpx.get(web.base_url + "/metrics").headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     before = families()
     post_stream(web.base_url, "/ui/api/race", {"prompt": "Metrics.", "modes": ["lookup"], "max_tokens": 30})
     after = families()
