@@ -115,18 +115,16 @@ class ModelManager:
 def switch_factory(
     services: Services, settings: Settings, *, model: str, mode: str | None, drafter: str | None
 ) -> Callable[[GenerationService], GenerationService]:
-    """What the engine thread runs to serve another model / mode / drafter."""
+    """What the engine thread runs to serve another model / mode / drafter (mode None: the served mode)."""
     from mlx_dspark.application.modes import build_generator
 
     if not model:
         raise InvalidRequest(message="choose a model to load", param="model")
-    wanted = attrs.evolve(
-        settings,
-        model=attrs.evolve(settings.model, model=model, mode=mode or "baseline", drafter=drafter or None),
-    )
 
     def build(current: GenerationService) -> GenerationService:
+        # No mode chosen: the served one stays (a model's Load button never changes how it is served).
+        keep = attrs.evolve(settings.model, model=model, mode=mode or current.mode, drafter=drafter or None)
         same = current.model.name == model
-        return build_generator(services, wanted, model=current.model if same else None)
+        return build_generator(services, attrs.evolve(settings, model=keep), model=current.model if same else None)
 
     return build

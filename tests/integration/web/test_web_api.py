@@ -296,6 +296,10 @@ def test_switching_the_served_mode_goes_through_the_engine(tmp_path: Path) -> No
         )
         assert bad.status_code >= 400 and "dflash" in bad.json()["error"]
         assert httpx.get(server.base_url + "/ui/api/status").json()["mode"] == "lookup"  # a failed switch keeps it
+        # Loading a model without choosing a mode keeps the served mode (it used to fall back to baseline).
+        again = httpx.post(server.base_url + "/ui/api/models/load", json={"model": "local-model"}, timeout=60)
+        assert again.status_code == 200 and again.json()["mode"] == "lookup"
+        assert httpx.get(server.base_url + "/ui/api/status").json()["mode"] == "lookup"
 
 
 def test_a_reply_cut_off_by_the_client_is_saved_as_far_as_it_went(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
     const list = await api.get("/ui/api/models/local");
     if (!list.length) body.append(el("tr", {}, el("td", {colspan: 7, class: "muted"}, "No local models found.")));
     for (const m of list) {
-      const load = el("button", {class: "ghost"}, "Load"); load.onclick = () => { $("load-model").value = m.name; loadModel(); };
+      const load = el("button", {class: "ghost"}, "Load"); load.onclick = () => { $("load-model").value = m.name; $("load-mode").value = ""; loadModel(); };
       const del = el("button", {class: "danger"}, "Delete");
       del.onclick = async () => { if (confirm(`Delete ${m.path}?`)) { await api.post("/ui/api/models/delete", {path: m.path}); loadLocal(); } };
       body.append(el("tr", {},
