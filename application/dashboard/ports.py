@@ -83,8 +83,9 @@ class MachineProbe(Protocol):
         """Bytes of a loaded model's parameters (0 when unknown)."""
         ...
 
-    def bandwidth(self, size_bytes: int = 256 << 20, repeats: int = 5) -> dict[str, Any]:
-        """A copy benchmark: {"bytes_per_s", "size", "samples_s"} (engine thread only)."""
+    def bandwidth(self, size_bytes: int = 256 << 20, repeats: int = 7) -> dict[str, Any]:
+        """Weight bytes read per second by a one-row product: {"bytes_per_s", "size", "samples_s", "device"}
+        (engine thread only)."""
         ...
 
 

@@ -3,6 +3,8 @@ ceiling (every plain token reads every weight once); plain and speculative tok/s
 
 Speculation verifies several tokens per weight read, so it can beat the plain ceiling; `vs_ceiling` says by
 how much. KV-cache reads are left out of the bytes per token (small at the short prompts measured here).
+Plain decoding cannot beat its own ceiling: when it measures above it, or the bandwidth samples spread
+widely (a busy machine), the result carries a warning saying which figure is not to be trusted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from mlx_dspark.application.dashboard.ports import MachineProbe
 from mlx_dspark.application.dashboard.race import LaneDone, race
 from mlx_dspark.application.generation import GenerationService
 
+SPREAD_WARN = 1.5  # slowest / fastest bandwidth sample above which the machine was busy while measuring
+ABOVE_CEILING_WARN = 1.1  # plain decoding this far above its ceiling: the ceiling is wrong, not the decoding
 PROMPT = "Write a short Python function that returns the n-th Fibonacci number, then explain it in two sentences."
 
 
@@ -46,8 +50,12 @@ def measure(
                 }
             )
             yield {"type": "status", "text": f"{event.mode}: {event.tok_s:.1f} tok/s"}
+    samples = [float(t) for t in bw.get("samples_s") or () if t > 0]
+    spread = max(samples) / min(samples) if samples else 1.0
     yield {
         "type": "result",
+        "warnings": warnings(spread, results),
+        "bandwidth_spread": spread,
         "bandwidth_bytes_per_s": bw["bytes_per_s"],
         "bandwidth_samples_s": bw["samples_s"],
         "device": bw.get("device", ""),
@@ -55,3 +63,20 @@ def measure(
         "ceiling_tok_s": ceiling,
         "lanes": results,
     }
+
+
+def warnings(spread: float, lanes: Sequence[dict[str, Any]]) -> list[str]:
+    """What in a roofline result is noise: a spread-out bandwidth probe, plain decoding above its ceiling."""
+    out = []
+    if spread > SPREAD_WARN:
+        out.append(
+            f"the bandwidth samples spread {spread:.1f}x (slowest / fastest): the machine was busy, so the ceiling "
+            "is unreliable; measure again when it is idle"
+        )
+    for lane in lanes:
+        if lane["mode"] == "baseline" and lane["vs_ceiling"] > ABOVE_CEILING_WARN:
+            out.append(
+                f"plain decoding measured {lane['vs_ceiling']:.2f}x its own ceiling, which it cannot reach: the "
+                "bandwidth probe was disturbed (or the weights sit in a cache), so the ceiling is understated"
+            )
+    return out

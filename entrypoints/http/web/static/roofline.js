@@ -11,10 +11,13 @@
     chart = new Chart($("chart-roof"), {
       data: {labels, datasets: [
         {type: "bar", label: "measured tok/s", data, backgroundColor: colors},
-        {type: "line", label: "plain-decode ceiling", data: labels.map(() => +r.ceiling_tok_s.toFixed(2)),
+        // On its own hidden 0..1 axis, so the ceiling spans the whole plot, not only the bars' centres.
+        {type: "line", label: "plain-decode ceiling", xAxisID: "edge",
+          data: [{x: 0, y: +r.ceiling_tok_s.toFixed(2)}, {x: 1, y: +r.ceiling_tok_s.toFixed(2)}],
           borderColor: "#f87171", borderDash: [6, 4], pointRadius: 0, borderWidth: 2},
       ]},
-      options: {scales: {y: {beginAtZero: true, title: {display: true, text: "tokens / second"}}}},
+      options: {scales: {y: {beginAtZero: true, title: {display: true, text: "tokens / second"}},
+        edge: {type: "linear", min: 0, max: 1, display: false}}},
     });
     const body = $("roof-table").querySelector("tbody"); body.innerHTML = "";
     let best = 0;
@@ -27,6 +30,9 @@
     $("r-bytes").textContent = fmtBytes(r.model_bytes);
     $("r-ceiling").textContent = r.ceiling_tok_s.toFixed(1) + " tok/s";
     $("r-best").textContent = best.toFixed(2) + "×";
+    const warn = $("roof-warnings"); warn.innerHTML = "";
+    for (const w of r.warnings || []) warn.append(el("div", {}, "⚠ " + w));
+    warn.hidden = !(r.warnings || []).length;
   }
   function go() {
     const modes = [...document.querySelectorAll(".roof-mode:checked")].map((c) => c.value);
