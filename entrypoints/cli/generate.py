@@ -22,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--max-tokens", type=int, help="hard cap on generated tokens (default 256)")
     p.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this probability (1 = off)")
+    p.add_argument("--top-p", type=float, help="sample from the fewest tokens holding this probability (1 = off)")
     p.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (0 = off)")
     p.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same tokens (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

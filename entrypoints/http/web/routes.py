@@ -24,6 +24,7 @@ from mlx_dspark.application.engine import EngineJob
 from mlx_dspark.domain.dashboard import SessionNotFound
 from mlx_dspark.domain.errors import CapacityExceeded, DomainError, InvalidRequest, ModelUnavailable, quoted
 from mlx_dspark.entrypoints.http import support
+from mlx_dspark.entrypoints.http.request_log import RequestLog
 from mlx_dspark.entrypoints.http.sse import SSE_HEADERS, stream_job
 from mlx_dspark.entrypoints.http.web.auth import COOKIE, authorized, offered_key, server_key, web_guard
 
@@ -394,11 +395,19 @@ async def chat(request: Request[Any, Any, Any], session_id: str) -> Stream:
     else:
         job = ctx.engine.submit(lambda g: sessions.run_turn(g, creq, options.mode), exclusive=True)
     reply = sessions.reply(session_id, creq, mode, time.perf_counter())
+    # The chat page's turns log the same canonical line as the API's requests (never their text).
+    record = RequestLog.of(request, "ui")
+    record.model, record.stream = ctx.engine.generator.model.name if ctx.engine.ready else None, True
+
+    def page_events(item: Any) -> list[dict[str, Any]]:
+        record.observe(item)
+        return reply.page_events(item)
 
     async def save(outcome: str) -> None:
+        record.emit(200, outcome=outcome)
         await asyncio.to_thread(reply.finish, outcome)
 
-    return job_stream(job, reply.page_events, on_end=save)
+    return job_stream(job, page_events, on_end=save)
 
 
 # ---- race and roofline ---------------------------------------------------------------------------------

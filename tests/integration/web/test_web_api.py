@@ -340,3 +340,22 @@ def test_an_idle_telemetry_stream_ends_and_resumes_after_the_last_event_id(web: 
     with httpx.stream("GET", web.base_url + "/ui/api/telemetry/stream", headers=headers, timeout=30) as r:
         again = [int(line[4:]) for line in r.iter_lines() if line.startswith("id: ")]
     assert again == [i for i in ids if i > resume]  # exactly the events after the last one seen
+
+
+def test_a_chat_page_turn_logs_the_one_canonical_line(tmp_path: Path) -> None:
+    from tests.integration.http.conftest import capture_logs, restore_logging
+
+    logs = capture_logs()
+    try:
+        for server in make_web_server(tmp_path):
+            sid = httpx.post(server.base_url + "/ui/api/sessions", json={}).json()["id"]
+            secret = "a private question nobody logs"
+            post_stream(
+                server.base_url, f"/ui/api/sessions/{sid}/chat", {"content": secret, "options": {"max_tokens": 8}}
+            )
+            line = logs.wait_for(dialect="ui")
+            assert line["status"] == 200 and line["outcome"] == "completed" and line["stream"] is True
+            assert line["completion_tokens"] == 8 and line["finish_reason"] == "length" and line["rounds"] > 0
+            assert len(logs.requests(dialect="ui")) == 1 and secret not in logs.text
+    finally:
+        restore_logging()
