@@ -173,9 +173,14 @@ class MeasuredCap:
         new = self._decide(depth)
         self._current = new
         if not self._announced:
-            # The first decision is reported against the default a policy-less loop would use.
+            # The first decision is reported against the default a policy-less loop would use (when it differs:
+            # "cap 7 -> 7" said nothing).
             self._announced = True
-            return CapDecision(old=old, new=new, reason="initial: best cap under the calibrated curves")
+            return (
+                None
+                if new == old
+                else CapDecision(old=old, new=new, reason="initial: best cap under the calibrated curves")
+            )
         if new == old:
             return None
         if new == 0:

@@ -37,13 +37,17 @@ def test_context_slope_counts_in_round_time() -> None:
     assert expected_rate(steep, 3, [0.8], depth=4000) < expected_rate(steep, 3, [0.8], depth=0)
 
 
-def test_first_decision_is_reported() -> None:
+def test_first_decision_is_reported_when_it_changes_the_default() -> None:
     policy = MeasuredCap(curves=FLAT, max_cap=BLOCK, acceptance=EwmaAcceptance(prior=0.95, positions=BLOCK))
     cap = policy.cap(0)
-    decision = policy.observe(cap, cap, FLAT.round_seconds(cap), 0)
-    assert decision is not None and decision.new == BLOCK and "initial" in decision.reason
+    # The full block is what a policy-less loop drafts anyway: no "cap 7 -> 7" event.
+    assert policy.observe(cap, cap, FLAT.round_seconds(cap), 0) is None
     # Rounds that match the prediction change nothing.
     assert all(policy.observe(BLOCK, BLOCK, FLAT.round_seconds(BLOCK), 0) is None for _ in range(10))
+    low = MeasuredCap(curves=FLAT, max_cap=BLOCK, acceptance=EwmaAcceptance(prior=0.05, positions=BLOCK))
+    cap = low.cap(0)
+    decision = low.observe(cap, 0, FLAT.round_seconds(cap), 0)
+    assert decision is not None and decision.old == BLOCK and decision.new < BLOCK and "initial" in decision.reason
 
 
 def test_observed_slow_rounds_lower_the_cap() -> None:
