@@ -181,6 +181,14 @@ def build_server(services: Services, settings: Settings | None = None) -> Server
     )
 
 
+def server_registry(settings: Settings) -> Any:
+    """The running servers' files in the cache folder (`serve` registers itself, `top` finds it)."""
+    from mlx_dspark.adapters.hf.cache import cache_root
+    from mlx_dspark.adapters.storage.server_registry import ServerRegistry
+
+    return ServerRegistry(cache_root(settings.model.cache_dir))
+
+
 def build_dashboard(
     services: Services, settings: Settings | None = None, *, chat: ChatService | None = None
 ) -> Dashboard:

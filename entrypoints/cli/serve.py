@@ -62,12 +62,17 @@ def main(argv: Sequence[str]) -> int:
             sys.stderr.write(f"mlx-dspark: warning: serving on {server.host} without --api-key\n")
         app = create_app(bootstrap.build_server(services, settings))
         engine = app.state["ctx"].engine
+        url = f"http://{server.host}:{server.port}"
+        registry = bootstrap.server_registry(settings)
+        # `top` finds this server by it (a wildcard bind is reached on the loopback).
+        entry = registry.register(url.replace("://0.0.0.0:", "://127.0.0.1:"), settings.model.model)
 
         class Server(uvicorn.Server):  # type: ignore[misc]
             def handle_exit(self, sig: int, frame: Any) -> None:
                 # In-flight generations end now with the dialect's "shutting down" error, so uvicorn's graceful
                 # wait for open requests is short; its own timeout bounds the rest.
                 engine.stop(timeout=0)
+                registry.unregister(entry)  # uvicorn ends the process with the signal: no `finally` runs
                 super().handle_exit(sig, frame)
 
         config = uvicorn.Config(
@@ -78,8 +83,11 @@ def main(argv: Sequence[str]) -> int:
             access_log=False,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
-        sys.stderr.write(f"mlx-dspark: serving on http://{server.host}:{server.port} (model loads in the background)\n")
-        Server(config).run()
+        sys.stderr.write(f"mlx-dspark: serving on {url} (model loads in the background)\n")
+        try:
+            Server(config).run()
+        finally:
+            registry.unregister(entry)
         return 0
 
     return run_guarded(body)

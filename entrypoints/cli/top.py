@@ -20,7 +20,11 @@ BAR = 30
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-dspark top", description="Live gauge of a running mlx-dspark server.")
-    p.add_argument("--url", help="server base URL (default http://HOST:PORT from MLX_DSPARK_HOST/PORT, else :8080)")
+    p.add_argument(
+        "--url",
+        help="server base URL (default: MLX_DSPARK_HOST/PORT when set, else the newest running `mlx-dspark serve`, "
+        "else http://127.0.0.1:8080)",
+    )
     p.add_argument("--api-key", help="the server's API key (default MLX_DSPARK_API_KEY)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one reading and exit (for scripts)")
@@ -68,10 +72,32 @@ def fetch(url: str, api_key: str | None) -> dict[str, Any]:
     return data
 
 
+def server_url(given: str | None) -> tuple[str, str | None]:
+    """The server to watch, and a note when the choice was not obvious: --url, then MLX_DSPARK_HOST/PORT, then
+    the newest server `serve` registered (it may run on any port), then the serve default."""
+    host = os.environ.get("MLX_DSPARK_HOST") or "127.0.0.1"
+    if given:
+        return given, None
+    if os.environ.get("MLX_DSPARK_PORT"):
+        return f"http://{host}:{os.environ['MLX_DSPARK_PORT']}", None
+    from mlx_dspark.application import bootstrap
+    from mlx_dspark.application.settings import load_settings
+
+    live = bootstrap.server_registry(load_settings()).live()
+    if not live:
+        return f"http://{host}:8080", None
+    url = str(live[0]["url"])
+    if len(live) == 1:
+        return url, None
+    others = ", ".join(str(e["url"]) for e in live[1:])
+    return url, f"several servers run; watching the newest, {url} (also: {others}; choose with --url)"
+
+
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
-    host = os.environ.get("MLX_DSPARK_HOST") or "127.0.0.1"
-    url = args.url or f"http://{host}:{os.environ.get('MLX_DSPARK_PORT') or 8080}"
+    url, note = server_url(args.url)
+    if note:
+        sys.stderr.write(f"mlx-dspark top: {note}\n")
     key = args.api_key or os.environ.get("MLX_DSPARK_API_KEY") or None
     tty = sys.stdout.isatty() and not args.once
     peak = 0.0

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlx_dspark.adapters.hf.cache import cache_root
+from mlx_dspark.adapters.storage.server_registry import ServerRegistry
 from tests.soak import traffic
 from tests.soak.traffic import Call, Outcome
 
@@ -63,8 +65,10 @@ def test_sigterm_ends_the_server_within_seconds_and_tells_its_clients(tmp_path: 
     command = [sys.executable, "-m", "mlx_dspark.entrypoints", "serve", "--model", "default", "--mode", "baseline"]
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+    registered = ServerRegistry(cache_root(None)).folder / f"{proc.pid}.json"
     try:
         _wait_healthy(base, proc, log)
+        assert registered.exists() and base in registered.read_text()  # `top` finds it
         calls = [
             Call("chat", True, LONG, 2000, model="default"),
             Call("messages", False, LONG, 2000, model="default"),
@@ -93,6 +97,7 @@ def test_sigterm_ends_the_server_within_seconds_and_tells_its_clients(tmp_path: 
     # uvicorn shuts down gracefully, then raises the signal it caught again: -SIGTERM is its clean exit.
     assert code in (0, -signal.SIGTERM), f"serve did not exit within {EXIT_BOUND_S} s:\n{log.read_text()[-3000:]}"
     assert seconds < EXIT_BOUND_S
+    assert not registered.exists()
     assert len(outcomes) == 2, "a client was still waiting when the server had gone"
     streamed, whole = outcomes
     assert streamed.status == 200 and streamed.sse_error and streamed.partial, streamed

@@ -218,6 +218,33 @@ def test_top_prints_the_gauge_of_a_running_server(web: WebServer, capsys: pytest
     assert "cannot reach" in capsys.readouterr().err
 
 
+def test_top_finds_the_running_server_on_any_port(
+    web: WebServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`serve` registers itself; `top` without --url watches the newest live one (it assumed :8080)."""
+    import subprocess
+    import sys
+
+    from mlx_dspark.adapters.storage.server_registry import ServerRegistry
+    from mlx_dspark.entrypoints.cli import top
+
+    monkeypatch.delenv("MLX_DSPARK_PORT", raising=False)
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path))
+    registry = ServerRegistry(tmp_path)
+    assert top.server_url(None) == ("http://127.0.0.1:8080", None)  # nothing registered: the serve default
+    code = "import os; print(os.getpid())"
+    gone = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    dead = registry.folder / f"{gone.stdout.strip()}.json"
+    registry.folder.mkdir(parents=True)
+    dead.write_text(json.dumps({"url": "http://127.0.0.1:1", "pid": int(gone.stdout), "started": 9e9}))
+    entry = registry.register(web.base_url, "local-model")
+    assert top.server_url(None) == (web.base_url, None)  # the dead process's file is skipped
+    assert not dead.exists() and entry.exists()
+    assert top.main(["--once"]) == 0 and "local-model" in capsys.readouterr().out
+    registry.unregister(entry)
+    assert registry.live() == []
+
+
 def test_top_honours_the_api_key(keyed: WebServer, capsys: pytest.CaptureFixture[str]) -> None:
     from mlx_dspark.entrypoints.cli import top
 
