@@ -9,14 +9,18 @@ import contextlib
 import json
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mlx_dspark.adapters.hf.default_models import EMBEDDED, package_dir
+from mlx_dspark.adapters.hf.hub import MAX_HEADER
 from mlx_dspark.adapters.hf.loader import packaged_drafters
 from mlx_dspark.adapters.hf.resolve import hf_cache_dir
-from mlx_dspark.domain.dashboard import LocalModel
+from mlx_dspark.domain import fit
+from mlx_dspark.domain.dashboard import LocalModel, RepoFacts
+from mlx_dspark.domain.errors import ModelUnavailable
 
 _WEIGHTS = (".safetensors", ".gguf", ".bin", ".npz")
 
@@ -38,6 +42,60 @@ def _size(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += (Path(root) / f).stat().st_size  # follows hub-cache symlinks to their blobs
     return total
+
+
+def _folder_facts(folder: Path) -> RepoFacts:
+    """Shape from config.json and weight bytes from the local safetensors headers (no tensor is read)."""
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        shape = fit.shape_from_config(config)
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(message=f"{folder}: no readable config.json ({exc})") from exc
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()}
+    for name in (n for n in files if n.endswith(".safetensors")):
+        try:
+            with (folder / name).open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if not 0 < n <= MAX_HEADER:
+                    raise ValueError(f"implausible header length {n}")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as exc:
+            raise ModelUnavailable(message=f"{folder / name}: unreadable safetensors header ({exc})") from exc
+        for key, value in header.items():
+            if key != "__metadata__":
+                tensors[f"{name}:{key}"] = (str(value["dtype"]), tuple(value["shape"]))
+    if not tensors:
+        raise ModelUnavailable(message=f"{folder} has no safetensors weights")
+    return RepoFacts(
+        repo_id=str(folder),
+        shape=shape,
+        weight_bytes=fit.weight_bytes(tensors),
+        files=files,
+        model_type=str(config.get("model_type") or ""),
+    )
+
+
+def _gguf_facts(path: Path) -> RepoFacts:
+    """Shape from the GGUF's metadata (as the loader converts it) and its tensors' stored bytes."""
+    from mlx_dspark.adapters.hf import gguf
+
+    reader = gguf.open_gguf(path)
+    arch = gguf.gguf_architecture(reader, path)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    config = gguf.model_config(gguf.metadata(reader), arch, shapes, path)
+    try:
+        shape = fit.shape_from_config(config)
+    except ValueError as exc:
+        raise ModelUnavailable(message=f"{path}: {exc}") from exc
+    return RepoFacts(
+        repo_id=str(path),
+        shape=shape,
+        weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
+        files={path.name: path.stat().st_size},
+        model_type=str(config.get("model_type") or arch),
+    )
 
 
 def _config_facts(folder: Path) -> dict[str, Any]:
@@ -70,6 +128,21 @@ class LocalModelCatalog:
         self._project = Path(project_cache)
         self._hub = hub_cache
         self._lm = lm_studio
+
+    def facts(self, spec: str) -> RepoFacts | None:
+        """Fit facts of a local model (an mlx-lm / Hugging Face folder or a .gguf file), None when `spec` is not
+        a path on this machine (then it names a hub repo).
+
+        Raises:
+            ModelUnavailable: the path exists but holds no readable config and weights.
+        """
+        path = Path(spec).expanduser()
+        if not path.exists():
+            return None
+        if path.is_file() and path.suffix == ".gguf":
+            return _gguf_facts(path)
+        folder = path if path.is_dir() else path.parent
+        return _folder_facts(folder)
 
     def local_models(self) -> list[LocalModel]:
         found = [*self._embedded(), *self._hub_cache(), *self._lm_studio(), *self._project_cache()]

@@ -73,7 +73,7 @@ def open_gguf(path: Path) -> Any:
     return reader
 
 
-def _metadata(reader: Any) -> dict[str, Any]:
+def metadata(reader: Any) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
@@ -328,7 +328,7 @@ def write_mlx_dir(gguf_path: Path, out: Path, *, keep_quantized: bool = False, s
 
     reader = open_gguf(gguf_path)
     arch = gguf_architecture(reader, gguf_path)
-    meta = _metadata(reader)
+    meta = metadata(reader)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise _fail(gguf_path, "it has no token_embd.weight tensor")

@@ -17,6 +17,7 @@ from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.services import Services
 from mlx_dspark.application.settings import Settings
 from mlx_dspark.domain import fit
+from mlx_dspark.domain.dashboard import RepoFacts
 from mlx_dspark.domain.errors import InvalidRequest
 
 
@@ -65,9 +66,10 @@ class ModelManager:
         self.catalog.delete(path)
 
     def fit(self, repo_id: str, drafter: str | None = None) -> dict[str, Any]:
-        """The fit table of a hub repo (config + safetensors headers), against this machine's usable memory."""
-        facts = self.hub.facts(repo_id)
-        drafter_bytes = self.hub.facts(drafter).weight_bytes if drafter else 0
+        """The fit table of a model against this machine's usable memory: a local folder or .gguf file (read
+        here, offline) or a hub repo (config + safetensors headers, nothing downloaded)."""
+        facts = self._facts(repo_id)
+        drafter_bytes = self._facts(drafter).weight_bytes if drafter else 0
         usable = self.probe.usable_memory()
         est = fit.estimate(facts.shape, facts.weight_bytes, int(usable["bytes"]), drafter=drafter_bytes)
         return {
@@ -80,6 +82,10 @@ class ModelManager:
             "usable": usable,
             "rows": [{**attrs.asdict(r), "verdict": r.verdict.value} for r in est.rows],
         }
+
+    def _facts(self, spec: str) -> RepoFacts:
+        local = self.catalog.facts(spec)
+        return local if local is not None else self.hub.facts(spec)
 
     def start_download(self, repo_id: str) -> Download:
         """Start downloading a repo in a background thread; returns its state (polled for progress)."""

@@ -94,6 +94,10 @@ class ModelCatalog(Protocol):
 
     def local_models(self) -> list[LocalModel]: ...
 
+    def facts(self, spec: str) -> RepoFacts | None:
+        """Fit facts of the local model at path `spec` (a folder or .gguf file); None when it is no local path."""
+        ...
+
     def delete(self, path: str) -> None: ...
 
 

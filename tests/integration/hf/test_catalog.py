@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,3 +61,47 @@ def test_hf_endpoint_reaches_the_hub_adapter(monkeypatch: pytest.MonkeyPatch, tm
     dashboard = bootstrap.build_dashboard(bootstrap.build(settings, loader=ScriptedLoader()), settings)
     assert dashboard.models.hub.endpoint == "http://127.0.0.1:9"  # type: ignore[attr-defined]
     assert not (tmp_path / "sessions.sqlite3").exists()  # the database appears on first use only
+
+
+@pytest.mark.parametrize("form", ["folder", "gguf"])
+def test_the_fit_estimate_reads_local_models_offline(tmp_path: Path, form: str) -> None:
+    """A local mlx-lm folder or .gguf file gets a fit table from its own config and headers, with no hub
+    (it used to be refused: "a repo id looks like 'owner/name'")."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_dspark.application.dashboard.models import ModelManager
+    from mlx_dspark.domain.errors import ModelUnavailable
+    from tests.integration.hf import tiny_models
+
+    _, weights = tiny_models.build_reference("llama")
+    if form == "folder":
+        path = tiny_models.write_mlx_dir("llama", weights, tmp_path / "m")
+        stored = sum(a.nbytes for a in mx.load(str(path / "model.safetensors")).values())
+    else:
+        path = tmp_path / "m.gguf"
+        tiny_models.write_gguf("llama", weights, path, quantize=True)
+        import gguf
+
+        stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        assert stored < sum(np.asarray(w).nbytes for w in weights.values())  # quantized: fewer bytes than fp32
+
+    class NoHub:
+        def facts(self, repo_id: str) -> Any:
+            raise AssertionError("a local model must not reach the hub")
+
+    class Probe:
+        def usable_memory(self) -> dict[str, Any]:
+            return {"bytes": 8 << 30, "source": "test"}
+
+    catalog = LocalModelCatalog(project_cache=tmp_path / "cache", hub_cache=tmp_path / "hf", lm_studio=[])
+    table = ModelManager(catalog, NoHub(), Probe()).fit(str(path))  # type: ignore[arg-type]
+    cfg = tiny_models.model_args("llama")
+    assert table["weights"] == stored and table["model_type"] == "llama"
+    shape = table["shape"]
+    assert shape["layers"] == cfg["num_hidden_layers"] and shape["kv_heads"] == cfg["num_key_value_heads"]
+    assert table["rows"] and all(row["verdict"] == "green" for row in table["rows"][:1])
+    assert catalog.facts("owner/not-a-path") is None  # then the hub answers
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelUnavailable):
+        catalog.facts(str(tmp_path / "empty"))  # a folder with no model in it

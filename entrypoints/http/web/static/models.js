@@ -8,13 +8,14 @@
     if (!list.length) body.append(el("tr", {}, el("td", {colspan: 7, class: "muted"}, "No local models found.")));
     for (const m of list) {
       const load = el("button", {class: "ghost"}, "Load"); load.onclick = () => { $("load-model").value = m.name; $("load-mode").value = ""; loadModel(); };
+      const estimate = el("button", {class: "ghost"}, "Fit"); estimate.onclick = () => { $("fit-repo").value = m.path; fit(); };
       const del = el("button", {class: "danger"}, "Delete");
       del.onclick = async () => { if (confirm(`Delete ${m.path}?`)) { await api.post("/ui/api/models/delete", {path: m.path}); loadLocal(); } };
       body.append(el("tr", {},
         el("td", {title: m.path}, m.name), el("td", {class: "muted"}, m.source), el("td", {class: "num"}, fmtBytes(m.size_bytes)),
         el("td", {}, [m.dtype, m.bits ? `${m.bits}-bit` : ""].filter(Boolean).join(" · ") || "—"),
         el("td", {class: "num"}, m.context || "—"), el("td", {}, (m.drafters || []).join(", ")),
-        el("td", {}, el("div", {class: "row"}, load, m.source === "embedded" ? "" : del))));
+        el("td", {}, el("div", {class: "row"}, load, estimate, m.source === "embedded" ? "" : del))));
     }
   }
   async function search() {
@@ -31,7 +32,7 @@
   async function fit() {
     const repo = $("fit-repo").value.trim(); if (!repo) return;
     const body = $("fit-table").querySelector("tbody"); body.innerHTML = "";
-    $("fit-title").textContent = repo; $("fit-usable").textContent = "reading config and safetensors headers…";
+    $("fit-title").textContent = repo; $("fit-usable").textContent = "reading its config and weight headers…";
     try {
       const r = await api.get(`/ui/api/models/fit?repo=${encodeURIComponent(repo)}&drafter=${encodeURIComponent($("fit-drafter").value.trim())}`);
       const s = r.shape;
