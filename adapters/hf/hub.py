@@ -6,12 +6,20 @@ safetensors files (two small ranged reads each); downloads go into the Hugging F
 loader finds them by repo id. A dropped connection resumes with a ranged request from the last written
 chunk; a download that still fails leaves no partial file behind (huggingface-hub writes each attempt to
 a temporary file of its own), so trying again starts that file over.
+
+Before any call the endpoint's host must accept a TCP connection within `REACH_TIMEOUT_S` (the answer is kept
+for a while): offline, huggingface-hub's own retries held a search for 23 s and then said "not found", where
+"hub unreachable" is the truth and can be said at once.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import struct
+import threading
+import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,32 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 MAX_HEADER = 100 << 20
 DEFAULT_ENDPOINT = "https://huggingface.co"
+REACH_TIMEOUT_S = 3.0  # a TCP connect to the hub; longer means unreachable for an interactive page
+REACH_KEEP_S = {True: 300.0, False: 15.0}  # how long a reachable / unreachable answer is trusted
+
+
+class Reachability:
+    """Whether an endpoint's host accepts a TCP connection, asked at most once per `REACH_KEEP_S`."""
+
+    def __init__(self, endpoint: str) -> None:
+        url = urllib.parse.urlsplit(endpoint)
+        self.host = url.hostname or ""
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self._lock = threading.Lock()
+        self._known: tuple[bool, float] | None = None
+
+    def check(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if self._known is not None and now - self._known[1] < REACH_KEEP_S[self._known[0]]:
+                return self._known[0]
+            try:
+                with socket.create_connection((self.host, self.port), timeout=REACH_TIMEOUT_S):
+                    up = True
+            except OSError:
+                up = False
+            self._known = (up, now)
+            return up
 
 
 class HfModelHub:
@@ -40,6 +74,7 @@ class HfModelHub:
         self.endpoint = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
         self._cache_dir = cache_dir
         self._token = token
+        self._reach = Reachability(self.endpoint)
 
     def _api(self) -> Any:
         from huggingface_hub import HfApi
@@ -50,6 +85,10 @@ class HfModelHub:
     def _online(self) -> None:
         if hf_offline():
             raise ModelUnavailable(message="the hub is off: HF_HUB_OFFLINE is set")
+        if not self._reach.check():
+            raise ModelUnavailable(
+                message=f"hub unreachable: no connection to {self._reach.host}:{self._reach.port} (offline?)"
+            )
 
     def search(self, query: str, limit: int = 20) -> list[dict[str, Any]]:
         """Repos whose id contains `query` (an empty query asks nothing and finds nothing)."""

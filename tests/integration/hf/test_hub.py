@@ -105,3 +105,34 @@ def test_hf_hub_offline_stops_every_hub_call(hub: FakeHub, tmp_path: Path, monke
         with pytest.raises(ModelUnavailable, match="HF_HUB_OFFLINE"):
             call()
     assert hub.requests == [] and client.search("") == []
+
+
+def test_an_unreachable_hub_is_said_at_once_without_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, every call says "hub unreachable" after one refused connection, not "not found" after
+    huggingface-hub's retries (a search once hung 23 s and showed nothing)."""
+    import socket
+
+    import huggingface_hub
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    connects: list[tuple[str, int]] = []
+    real = socket.create_connection
+
+    def counting(address: tuple[str, int], *args: object, **kwargs: object) -> socket.socket:
+        connects.append(address)
+        return real(address, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "create_connection", counting)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda **_kw: pytest.fail("no HTTP call when unreachable"))
+    client = HfModelHub(f"http://127.0.0.1:{port}", cache_dir=str(tmp_path))
+    for call in (
+        lambda: client.search("tiny"),
+        lambda: client.facts("fake/tiny"),
+        lambda: client.download("fake/tiny"),
+    ):
+        with pytest.raises(ModelUnavailable, match="hub unreachable") as info:
+            call()
+        assert "not found" not in str(info.value)
+    assert connects == [("127.0.0.1", port)]  # asked once, the answer kept for the next calls
