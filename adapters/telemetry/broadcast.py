@@ -32,8 +32,36 @@ from mlx_dspark.domain.events import (
 from mlx_dspark.domain.ports import TelemetrySink
 
 Listener = Callable[[dict[str, Any]], None]
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds to the first token
+LATENCY_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # seconds a request took
+ROUND_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # tokens one round committed (1 = a plain step's)
 _RATE_WINDOW_S = 3.0
 _STALE_S = 60.0  # a request closed without Finished (client went away) stops counting as active
+
+
+class Histogram:
+    """Counts of observations per upper bound, with their sum (Prometheus' cumulative form on export)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+    def as_json(self) -> dict[str, Any]:
+        cumulative, running = [], 0
+        for bound, n in zip(self.bounds, self.counts, strict=True):
+            running += n
+            cumulative.append([bound, running])
+        return {"buckets": cumulative, "count": self.count, "sum": self.sum}
 
 
 class BroadcastTelemetrySink:
@@ -65,6 +93,11 @@ class BroadcastTelemetrySink:
         self._batch = (0, 0)  # the scheduler's last (width, prefilling)
         self.batch_speculation: dict[str, Any] = {}  # the scheduler's latest width decision
         self.widest = 0
+        self.histograms = {
+            "ttft_seconds": Histogram(TTFT_BUCKETS),
+            "request_seconds": Histogram(LATENCY_BUCKETS),
+            "tokens_per_round": Histogram(ROUND_BUCKETS),
+        }
 
     # ---- TelemetrySink ----------------------------------------------------------------------------------
 
@@ -161,6 +194,7 @@ class BroadcastTelemetrySink:
                 # The decode loop's first event after the prefill: the prompt is in the cache.
                 # (Its duration arrives with `finished`.)
                 state["prefill_done"] = now
+                self.histograms["ttft_seconds"].add(now - state["started"])
                 total = state["total"]
                 out.append(
                     {
@@ -173,6 +207,7 @@ class BroadcastTelemetrySink:
                     }
                 )
         elif isinstance(event, RoundFinished):
+            self.histograms["tokens_per_round"].add(event.committed)
             self.totals["rounds"] += 1
             self.totals["drafted"] += event.drafted
             self.totals["accepted"] += event.accepted
@@ -222,6 +257,7 @@ class BroadcastTelemetrySink:
             )
         elif isinstance(event, Finished):
             self._active.pop(request_id, None)
+            self.histograms["request_seconds"].add(now - state["started"])
             out.append(self._finish(request_id, event, state.get("cache_source", "none")))
 
     def _prune(self, now: float) -> None:
@@ -314,6 +350,7 @@ class BroadcastTelemetrySink:
                 "batch_widest": self.widest,
                 "batch_speculation": dict(self.batch_speculation),
                 "active_requests": len(self._active),
+                "histograms": {name: h.as_json() for name, h in self.histograms.items()},
                 "live_tok_s": live,
                 "last": last,
             }

@@ -30,6 +30,18 @@ class _Writer:
         for labels, value in samples:
             self.lines.append(f"{full}{_labels(labels)} {float(value)!r}")
 
+    def histogram(self, name: str, help_text: str, data: Mapping[str, Any] | None) -> None:
+        """A histogram from {"buckets": [[upper bound, cumulative count], ...], "count", "sum"}."""
+        full = PREFIX + name
+        data = data or {"buckets": [], "count": 0, "sum": 0.0}
+        self.lines.append(f"# HELP {full} {help_text}")
+        self.lines.append(f"# TYPE {full} histogram")
+        for bound, count in data["buckets"]:
+            self.lines.append(f'{full}_bucket{{le="{float(bound)!r}"}} {float(count)!r}')
+        self.lines.append(f'{full}_bucket{{le="+Inf"}} {float(data["count"])!r}')
+        self.lines.append(f"{full}_sum {float(data['sum'])!r}")
+        self.lines.append(f"{full}_count {float(data['count'])!r}")
+
 
 def render(
     snapshot: Mapping[str, Any] | None,
@@ -115,6 +127,10 @@ def render(
     ):
         total = totals.get(den, 0)
         w.metric(name, "gauge", doc, [({}, totals.get(num, 0) / total if total else 0.0)])
+    hists = (snapshot or {}).get("histograms") or {}
+    w.histogram("ttft_seconds", "Seconds from a request's first event to its first token.", hists.get("ttft_seconds"))
+    w.histogram("request_seconds", "Seconds a request took, first event to last.", hists.get("request_seconds"))
+    w.histogram("tokens_per_round", "Tokens one draft-verify round committed.", hists.get("tokens_per_round"))
     w.metric("queue_depth", "gauge", "Requests waiting for the engine thread.", [({}, queue_depth)])
     w.metric("active_requests", "gauge", "Requests being decoded.", [({}, (snapshot or {}).get("active_requests", 0))])
     w.metric("decode_tokens_per_second", "gauge", "Live decode rate.", [({}, (snapshot or {}).get("live_tok_s", 0.0))])

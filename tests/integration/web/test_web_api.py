@@ -166,6 +166,20 @@ def test_metrics_parse_as_prometheus_text_and_count_requests(web: WebServer) -> 
         assert name in after
     assert value(after, "mlx_dspark_up") == 1.0
     assert 0 < value(after, "mlx_dspark_acceptance_ratio") <= 1
+    # Histograms of time to first token, request latency and tokens per round (two lanes, every round counted).
+    for name in ("mlx_dspark_ttft_seconds", "mlx_dspark_request_seconds", "mlx_dspark_tokens_per_round"):
+        fam = after[name]
+        assert fam.type == "histogram"
+        buckets = [s.value for s in fam.samples if s.name == name + "_bucket"]
+        count = next(s.value for s in fam.samples if s.name == name + "_count")
+        assert buckets == sorted(buckets) and buckets[-1] == count  # cumulative, +Inf holds them all
+
+    def observed(fams: dict[str, Any], name: str) -> float:
+        return next(s.value for s in fams[name].samples if s.name == name + "_count")
+
+    names = ("mlx_dspark_ttft_seconds", "mlx_dspark_request_seconds", "mlx_dspark_tokens_per_round")
+    counts = [observed(after, n) - observed(before, n) for n in names]
+    assert counts == [2, 2, value(after, "mlx_dspark_rounds") - value(before, "mlx_dspark_rounds")]
 
 
 def test_status_reports_the_gauge_numbers(web: WebServer) -> None:
