@@ -106,6 +106,9 @@ def test_the_telemetry_charts_update_live(page: Any, app: App) -> None:
     assert len(results) == 2
     page.wait_for_function("Chart.getChart('chart-batch').data.datasets[0].data.includes(2)")
     assert page.locator("#k-batch-max").inner_text() == "2"
+    # Requests are named by arrival number and source ("#3 baseline"), and none is left counted as running.
+    assert page.evaluate("Chart.getChart('chart-time').data.labels.every((l) => /^#[0-9]+ [a-z]+$/.test(l))")
+    page.wait_for_function("/^[0-9]+$/.test(document.getElementById('k-requests').textContent)")
     screenshot(page, "telemetry-live")
 
 

@@ -4,6 +4,13 @@
   const $ = (id) => document.getElementById(id);
   const MAX_POINTS = 300;
   let charts = {}, n = 0, hist = {}, requests = {}, reqOrder = [], updated = 0, drafted = 0, accepted = 0;
+  const running = new Set(), numbers = {};
+  // Requests by their arrival number and what ran them ("#3 dspark"), not by an opaque id's tail.
+  const label = (id) => `#${numbers[id] ??= Object.keys(numbers).length + 1}` + (requests[id] ? ` ${requests[id].source}` : "");
+  let finishedCount = 0;
+  function showRequests() {  // finished ones, and those still running (the tile read 0 while one ran)
+    $("k-requests").textContent = finishedCount + (running.size ? ` (+${running.size} running)` : "");
+  }
   const tried = [], hits = [], sources = {};
   const prompts = {}, promptOrder = [], cacheSources = {live: 0, memory: 0, disk: 0};
   let t0 = null, widest = 0, cacheHits = 0;
@@ -29,7 +36,7 @@
     charts.accept.data.labels = keys.map(String); charts.accept.data.datasets[0].data = keys.map((k) => hist[k]);
     charts.accept.update("none");
     const ids = reqOrder.slice(-20);
-    charts.time.data.labels = ids.map((id) => id.slice(-6));
+    charts.time.data.labels = ids.map(label);
     charts.time.data.datasets[0].data = ids.map((id) => (requests[id].prefill_s || 0) * 1000);
     charts.time.data.datasets[1].data = ids.map((id) => (requests[id].decode_s || 0) * 1000);
     charts.time.update("none");
@@ -40,7 +47,7 @@
     charts.source.data.datasets[0].data = Object.values(sources);
     charts.source.update("none");
     const shown = promptOrder.slice(-8);
-    charts.prefill.data.labels = shown.map((id) => `${id.slice(-6)} (${prompts[id].source})`);
+    charts.prefill.data.labels = shown.map((id) => `${label(id)} (cache: ${prompts[id].source})`);
     charts.prefill.data.datasets[0].data = shown.map((id) => prompts[id].cached);
     charts.prefill.data.datasets[1].data = shown.map((id) => Math.max(prompts[id].done - prompts[id].cached, 0));
     charts.prefill.data.datasets[2].data = shown.map((id) => Math.max(prompts[id].total - Math.max(prompts[id].done, prompts[id].cached), 0));
@@ -68,7 +75,8 @@
       $("k-rounds").textContent = (+$("k-rounds").textContent || 0) + 1;
       if (t0 === null) $("k-batch").textContent = ev.batch;  // a serial engine: no batch events
     } else if (ev.type === "request") {
-      log(`request ${ev.request_id} started`);
+      running.add(ev.request_id); label(ev.request_id); showRequests();
+      log(`request ${label(ev.request_id)} started`);
     } else if (ev.type === "cache") {
       const p = prompt(ev.request_id);
       p.cached = ev.cached; p.total = ev.prompt_tokens; p.source = ev.source; p.done = Math.max(p.done, ev.cached);
@@ -77,12 +85,12 @@
         $("k-cache").textContent = cacheHits;
         $("k-cache-src").textContent = Object.entries(cacheSources).map(([k, v]) => `${k} ${v}`).join(" · ");
       }
-      log(`request ${ev.request_id}: ${ev.cached} of ${ev.prompt_tokens} prompt tokens cached (${ev.source}), ${ev.prefill} to prefill`);
+      log(`request ${label(ev.request_id)}: ${ev.cached} of ${ev.prompt_tokens} prompt tokens cached (${ev.source}), ${ev.prefill} to prefill`);
     } else if (ev.type === "prefill") {
       const p = prompt(ev.request_id);
       p.done = Math.max(p.done, ev.done); p.total = ev.total || p.total;
-      if (ev.first_token) log(`request ${ev.request_id}: prompt prefilled, first token out`);
-      else log(`request ${ev.request_id}: prefill ${ev.done} / ${ev.total} tokens`);
+      if (ev.first_token) log(`request ${label(ev.request_id)}: prompt prefilled, first token out`);
+      else log(`request ${label(ev.request_id)}: prefill ${ev.done} / ${ev.total} tokens`);
     } else if (ev.type === "batch") {
       if (t0 === null) t0 = ev.t;
       push(charts.batch, (ev.t - t0).toFixed(1) + "s", ev.width);
@@ -93,12 +101,12 @@
     } else if (ev.type === "cap") {
       log(`cap ${ev.old} → ${ev.new} (${ev.reason})`);
     } else if (ev.type === "switch") {
-      log(`request ${ev.request_id}: source ${ev.old} → ${ev.new} (${ev.reason})`);
+      log(`request ${label(ev.request_id)}: source ${ev.old} → ${ev.new} (${ev.reason})`);
     } else if (ev.type === "finished") {
       requests[ev.request_id] = ev; reqOrder.push(ev.request_id);
       if (prompts[ev.request_id]) prompts[ev.request_id].done = prompts[ev.request_id].total;
-      $("k-requests").textContent = (+$("k-requests").textContent || 0) + 1;
-      log(`request ${ev.request_id}: prefill ${(ev.prefill_s * 1000).toFixed(1)} ms, ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens` +
+      running.delete(ev.request_id); finishedCount++; showRequests();
+      log(`request ${label(ev.request_id)}: prefill ${(ev.prefill_s * 1000).toFixed(1)} ms, ${ev.generated_tokens} tokens at ${ev.tok_s.toFixed(1)} tok/s, ${ev.mean_accepted.toFixed(2)} tokens/round, ${ev.cached_prompt_tokens} cached prompt tokens` +
         (ev.source_switches ? `, ${ev.source_switches} source switches (${Object.entries(ev.source_rounds || {}).map(([k, v]) => `${k} ${v}`).join(" · ")} rounds)` : ""));
     }
     schedule();
