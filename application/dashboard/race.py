@@ -35,6 +35,7 @@ class LaneDone:
     drafted: int
     accepted: int
     finish_reason: str
+    seconds: float = 0.0  # the lane's wall time, prefill included
 
 
 @attrs.frozen(kw_only=True)
@@ -45,6 +46,13 @@ class LaneVerdict:
     expected: int | None = None  # plain decoding's token there (None: plain ended first)
     got: int | None = None  # this mode's token there (None: this mode ended first)
     context: str = ""  # the text both agree on just before the divergence
+    speedup: float = 0.0  # this lane's decode tok/s over plain decoding's
+
+    @property
+    def summary(self) -> str:
+        """One line a person reads first: "dspark 1.62x plain, identical"."""
+        same = "identical" if self.identical else f"diverged at token {self.divergence}"
+        return f"{self.mode} {self.speedup:.2f}x plain, {same}"
 
 
 @attrs.frozen(kw_only=True)
@@ -88,12 +96,14 @@ def race(
     generators = [("baseline", modes.get(served, "baseline"))] + [(m, modes.get(served, m)) for m in chosen]
     ids: dict[str, tuple[int, ...]] = {}
     tokenizer = served.model.tokenizer
+    rates: dict[str, float] = {}
     for mode, gen in generators:
         request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
         for event in gen.stream(request):
             if isinstance(event, GenerationDone):
                 r = event.result
                 ids[mode] = r.token_ids
+                rates[mode] = r.tokens_per_second
                 yield LaneDone(
                     mode=mode,
                     tokens=r.generated_tokens,
@@ -102,18 +112,28 @@ def race(
                     drafted=r.drafted,
                     accepted=r.accepted,
                     finish_reason=r.finish_reason.value,
+                    seconds=r.prefill_s + r.decode_s,
                 )
             else:
                 yield LaneText(mode=mode, text=event.text, token_ids=event.token_ids)
     verdicts = []
     for mode in chosen:
         at, expected, got = compare(ids["baseline"], ids[mode])
+        speedup = rates[mode] / rates["baseline"] if rates.get("baseline") else 0.0
         if at is None:
-            verdicts.append(LaneVerdict(mode=mode, identical=True))
+            verdicts.append(LaneVerdict(mode=mode, identical=True, speedup=speedup))
         else:
             context = tokenizer.decode(list(ids["baseline"][max(0, at - 8) : at]))
             verdicts.append(
-                LaneVerdict(mode=mode, identical=False, divergence=at, expected=expected, got=got, context=context)
+                LaneVerdict(
+                    mode=mode,
+                    identical=False,
+                    divergence=at,
+                    expected=expected,
+                    got=got,
+                    context=context,
+                    speedup=speedup,
+                )
             )
     yield RaceVerdict(lanes=tuple(verdicts))
 
@@ -123,4 +143,8 @@ def as_json(event: RaceEvent) -> dict[str, Any]:
         return {"type": "text", "mode": event.mode, "text": event.text, "token_ids": list(event.token_ids)}
     if isinstance(event, LaneDone):
         return {"type": "lane_done", **attrs.asdict(event)}
-    return {"type": "verdict", "identical": event.identical, "lanes": [attrs.asdict(v) for v in event.lanes]}
+    return {
+        "type": "verdict",
+        "identical": event.identical,
+        "lanes": [{**attrs.asdict(v), "summary": v.summary} for v in event.lanes],
+    }

@@ -67,6 +67,10 @@ def test_a_race_reads_identical(page: Any, app: App) -> None:
     assert "identical" in verdict.inner_text()
     assert page.locator("#lane-baseline .out").inner_text() == page.locator("#lane-lookup .out").inner_text()
     assert page.locator("#lane-lookup .badge").inner_text() == "identical"
+    # Every source is ticked by default, and the verdict opens with one line per lane.
+    lines = page.locator("#verdict-lines div").all_inner_texts()
+    assert [line.split()[0] for line in lines] == ["lookup", "dflash", "dspark"]
+    assert all(" x plain, " not in line and "x plain, identical" in line for line in lines), lines
     screenshot(page, "race-verdict")
 
 

@@ -20,9 +20,11 @@
         l.querySelector(".meta").textContent = "decoding…";
       } else if (ev.type === "lane_done") {
         $(`lane-${ev.mode}`).querySelector(".meta").textContent =
-          `${ev.tokens} tokens · ${ev.tok_s.toFixed(1)} tok/s · ${ev.mean_accepted.toFixed(2)} tokens/round · ${ev.finish_reason}`;
+          `${ev.tokens} tokens in ${ev.seconds.toFixed(1)} s · ${ev.tok_s.toFixed(1)} tok/s · ${ev.mean_accepted.toFixed(2)} tokens/round · ` +
+          ({length: "hit the token limit", stop: "finished", cancelled: "stopped"}[ev.finish_reason] || ev.finish_reason);
       } else if (ev.type === "verdict") {
         const v = $("race-verdict");
+        v.append(el("div", {class: "verdict-lines", id: "verdict-lines"}, ...ev.lanes.map((l) => el("div", {}, l.summary))));
         if (ev.identical) {
           v.append(el("div", {class: "verdict ok", id: "verdict"}, "✓ identical — every mode produced exactly plain decoding's token ids"));
         } else {
