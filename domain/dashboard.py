@@ -48,6 +48,10 @@ class LocalModel:
     context: int | None = None
     model_type: str = ""
     drafters: tuple[str, ...] = ()
+    # A GGUF is converted once into this device's format; that copy is what loads into memory, so its size (not
+    # the file's) is what the model takes. Empty / 0: not converted yet, or loaded as it is stored.
+    converted_path: str = ""
+    converted_bytes: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -145,8 +145,39 @@ class LocalModelCatalog:
         return _folder_facts(folder)
 
     def local_models(self) -> list[LocalModel]:
-        found = [*self._embedded(), *self._hub_cache(), *self._lm_studio(), *self._project_cache()]
+        """Every local model once: a GGUF's converted copy in the project cache is shown on its source's row
+        (its size is what loads), not as a second model named by a hash."""
+        conversions = dict(self._conversions())
+        shown: set[Path] = set()
+        found = []
+        for entry in [*self._embedded(), *self._hub_cache(), *self._lm_studio()]:
+            copy = conversions.get(self._sha256(entry))
+            if copy is not None:
+                shown.add(copy)
+                entry = LocalModel(**{**_fields(entry), "converted_path": str(copy), "converted_bytes": _size(copy)})
+            found.append(entry)
+        for entry in self._project_cache():
+            if Path(entry.path) in shown:
+                continue
+            if Path(entry.path) in conversions.values():  # a copy whose source is not listed (a GGUF given by path)
+                entry = LocalModel(**{**_fields(entry), "source": "converted GGUF", "converted_path": entry.path,
+                                      "converted_bytes": entry.size_bytes})  # fmt: skip
+            found.append(entry)
         return found
+
+    def _conversions(self) -> Iterator[tuple[str, Path]]:
+        """(the source GGUF's sha256, the converted folder) of each conversion in the project cache."""
+        for config in sorted(self._project.glob("gguf/*/config.json")) if self._project.is_dir() else ():
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                source = str(json.loads(config.read_text()).get("mlx_dspark", {}).get("source", ""))
+                if source.startswith("sha256:"):
+                    yield source.removeprefix("sha256:"), config.parent
+
+    @staticmethod
+    def _sha256(entry: LocalModel) -> str:
+        """The known sha256 of an entry's GGUF (embedded models are pinned; others are not hashed here)."""
+        model = EMBEDDED.get(entry.name)
+        return model.sha256 if model is not None and entry.source == "embedded" else ""
 
     def _entry(self, name: str, path: Path, source: str, weights_at: Path | None = None) -> LocalModel:
         facts = _config_facts(path if path.is_dir() else path.parent)

@@ -55,14 +55,23 @@ class ModelManager:
     def local(self) -> list[dict[str, Any]]:
         return [attrs.asdict(m) for m in self.catalog.local_models()]
 
-    def delete(self, path: str) -> None:
-        """Delete a local model folder the catalog lists (nothing else).
+    def delete(self, path: str, *, served: str | None = None) -> None:
+        """Delete a local model folder the catalog lists (nothing else), never the served model or its copy.
+
+        Args:
+            served: the name of the model the server runs (its files and converted copy are refused).
 
         Raises:
-            InvalidRequest: `path` is not a listed local model.
+            InvalidRequest: `path` is not a listed local model, or it is the served model's.
         """
-        if path not in {m.path for m in self.catalog.local_models()}:
+        listed = self.catalog.local_models()
+        if path not in {m.path for m in listed} | {m.converted_path for m in listed if m.converted_path}:
             raise InvalidRequest(message="not a local model listed here", param="path")
+        for m in listed:
+            if m.name == served and path in (m.path, m.converted_path):
+                raise InvalidRequest(
+                    message=f"{m.name} is the model being served: load another model before deleting it", param="path"
+                )
         self.catalog.delete(path)
 
     def fit(self, repo_id: str, drafter: str | None = None) -> dict[str, Any]:

@@ -475,7 +475,9 @@ def downloads(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
 @post("/ui/api/models/delete", status_code=200)
 async def delete_model(request: Request[Any, Any, Any]) -> dict[str, Any]:
     body = await _json(request)
-    await asyncio.to_thread(dashboard(request).models.delete, str(body.get("path") or ""))
+    engine = support.context(request).engine
+    served = engine.generator.model.name if engine.ready else None
+    await asyncio.to_thread(dashboard(request).models.delete, str(body.get("path") or ""), served=served)
     return {"ok": True}
 
 

@@ -105,3 +105,43 @@ def test_the_fit_estimate_reads_local_models_offline(tmp_path: Path, form: str) 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelUnavailable):
         catalog.facts(str(tmp_path / "empty"))  # a folder with no model in it
+
+
+def test_a_converted_copy_shows_on_its_source_and_the_served_model_is_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served GGUF's converted copy used to be listed as a second model named by a hash, with a Delete
+    button; it is now its source's "converted" size, and deleting the served model or its copy is refused."""
+    from mlx_dspark.adapters.hf.default_models import EMBEDDED
+    from mlx_dspark.application.dashboard.models import ModelManager
+    from mlx_dspark.domain.dashboard import LocalModel
+    from mlx_dspark.domain.errors import InvalidRequest
+
+    gguf = tmp_path / "pkg" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"\0" * 1000)
+    embedded = LocalModel(name="default", path=str(gguf), source="embedded", size_bytes=1000)
+    monkeypatch.setattr(LocalModelCatalog, "_embedded", lambda self: iter([embedded]))
+    project = tmp_path / "cache"
+    copies = {}
+    for name, sha in (("served", EMBEDDED["default"].sha256), ("orphan", "ab" * 32)):
+        folder = project / "gguf" / f"v1-{name}-f32"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(
+            json.dumps({"model_type": "llama", "mlx_dspark": {"source": f"sha256:{sha}"}})
+        )
+        (folder / "model.safetensors").write_bytes(b"\0" * 5000)
+        copies[name] = folder
+    catalog = LocalModelCatalog(project_cache=project, hub_cache=tmp_path / "hf", lm_studio=[])
+    listed = {m.path: m for m in catalog.local_models()}
+    assert set(listed) == {str(gguf), str(copies["orphan"])}  # the served model's copy is no second row
+    default = listed[str(gguf)]
+    assert default.converted_path == str(copies["served"]) and default.converted_bytes >= 5000
+    assert listed[str(copies["orphan"])].source == "converted GGUF"  # a copy of a GGUF given by path
+    manager = ModelManager(catalog, object(), object())  # type: ignore[arg-type]
+    for path in (str(gguf), str(copies["served"])):
+        with pytest.raises(InvalidRequest, match="being served"):
+            manager.delete(path, served="default")
+    assert gguf.exists() and copies["served"].exists()
+    manager.delete(str(copies["served"]), served="other-model")  # not served: its copy may go (re-made on load)
+    assert not copies["served"].exists()

@@ -4,7 +4,8 @@
   const $ = (id) => document.getElementById(id);
   async function loadLocal() {
     const body = $("local-table").querySelector("tbody"); body.innerHTML = "";
-    const list = await api.get("/ui/api/models/local");
+    const [list, status] = await Promise.all([api.get("/ui/api/models/local"), api.get("/ui/api/status").catch(() => ({}))]);
+    const served = status.ready ? status.model : null;  // its files are not offered for deletion
     if (!list.length) body.append(el("tr", {}, el("td", {colspan: 7, class: "muted"}, "No local models found.")));
     for (const m of list) {
       const load = el("button", {class: "ghost"}, "Load"); load.onclick = () => { $("load-model").value = m.name; $("load-mode").value = ""; loadModel(); };
@@ -12,10 +13,11 @@
       const del = el("button", {class: "danger"}, "Delete");
       del.onclick = async () => { if (confirm(`Delete ${m.path}?`)) { await api.post("/ui/api/models/delete", {path: m.path}); loadLocal(); } };
       body.append(el("tr", {},
-        el("td", {title: m.path}, m.name), el("td", {class: "muted"}, m.source), el("td", {class: "num"}, fmtBytes(m.size_bytes)),
+        el("td", {title: m.path}, m.name), el("td", {class: "muted"}, m.source), el("td", {class: "num", title: m.converted_bytes ? "the file on disk; its one-time conversion to this device's format is what loads into memory" : "on disk"},
+          fmtBytes(m.size_bytes) + (m.converted_bytes ? ` · ${fmtBytes(m.converted_bytes)} converted` : "")),
         el("td", {}, [m.dtype, m.bits ? `${m.bits}-bit` : ""].filter(Boolean).join(" · ") || "—"),
         el("td", {class: "num"}, m.context || "—"), el("td", {}, (m.drafters || []).join(", ")),
-        el("td", {}, el("div", {class: "row"}, load, estimate, m.source === "embedded" ? "" : del))));
+        el("td", {}, el("div", {class: "row"}, load, estimate, m.source === "embedded" || m.name === served ? "" : del))));
     }
   }
   async function search() {
