@@ -54,9 +54,35 @@ def test_chat_streams_an_answer_and_the_session_is_found_after_a_reload(page: An
     item.first.wait_for()
     item.first.click()
     page.wait_for_selector(".msg.assistant")
-    assert page.locator(".msg.user").first.inner_text().strip() == "Name three colours of the rainbow."
+    assert page.locator(".msg.user .body").first.inner_text().strip() == "Name three colours of the rainbow."
     assert page.locator(".msg.assistant .body").first.inner_text() == text
     screenshot(page, "chat-reloaded")
+
+
+def test_a_reply_renders_as_sanitised_markdown_with_copy_buttons(page: Any, app: App) -> None:
+    """The chat page used to show `**bold**` and code fences raw. The reply here is the server's stream, replayed
+    by the browser (so its text is known): Markdown renders, HTML in it is sanitised, code gets a copy button."""
+    reply = "Here is **bold** and code:\n\n```python\nprint('hi')\n```\n\n<img src=x onerror=\"window.pwned=1\">"
+    stats = {"mode": "baseline", "completion_tokens": 30, "tok_s": 12.3456, "mean_accepted": 1.0,
+             "cached_prompt_tokens": 0, "finish_reason": "length"}  # fmt: skip
+    events = [{"type": "text", "text": reply[:17]}, {"type": "text", "text": reply[17:]}]
+    events.append({"type": "done", "stats": stats})
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    page.route(
+        "**/ui/api/sessions/*/chat",
+        lambda route: route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=body),
+    )
+    fill_and_go(page, "/ui/chat", {"#prompt": "Show me."}, "#send")
+    page.wait_for_selector(".msg.assistant[data-done='1']")
+    answer = page.locator(".msg.assistant").last
+    assert answer.locator(".body strong").inner_text() == "bold"
+    assert answer.locator(".body pre code").inner_text().strip() == "print('hi')"
+    assert answer.locator(".body pre .copy-code").count() == 1 and answer.locator(".copy-msg").count() == 1
+    assert answer.locator(".body img").count() == 0 and page.evaluate("window.pwned") is None  # nothing fetched
+    line = answer.locator(".stats").inner_text()
+    assert "12.3 tok/s" in line and "12.3456" not in line and "hit the max-tokens limit" in line
+    assert page.locator(".msg.user .body").last.inner_text() == "Show me."  # the user's text stays plain
+    screenshot(page, "chat-markdown")
 
 
 def test_a_race_reads_identical(page: Any, app: App) -> None:

@@ -15,23 +15,48 @@
     }
     return list;
   }
+  // A reply's end, as a person reads it; "length" alone said little.
+  const FINISH = {length: "hit the max-tokens limit", stop: "finished", tool_calls: "called a tool", cancelled: "stopped"};
+  const fixed = (x, n) => (typeof x === "number" ? x.toFixed(n) : x);
   function statsLine(st) {
     if (!st) return null;
     const parts = [];
     if (st.mode) parts.push(st.mode);
     if (st.completion_tokens !== undefined) parts.push(`${st.completion_tokens} tokens`);
-    if (st.tok_s !== undefined) parts.push(`${st.tok_s} tok/s`);
-    if (st.mean_accepted !== undefined) parts.push(`${st.mean_accepted} tokens/round`);
+    if (st.tok_s !== undefined) parts.push(`${fixed(st.tok_s, 1)} tok/s`);
+    if (st.mean_accepted !== undefined) parts.push(`${fixed(st.mean_accepted, 2)} tokens/round`);
     if (st.cached_prompt_tokens !== undefined) parts.push(`${st.cached_prompt_tokens} cached prompt tokens`);
-    if (st.finish_reason) parts.push(st.finish_reason);
-    return el("div", {class: "stats"}, ...parts.map((p) => el("span", {}, p)));
+    const end = st.outcome === "cancelled" ? "cancelled" : st.finish_reason;
+    const line = el("div", {class: "stats"}, ...parts.map((p) => el("span", {}, p)));
+    if (end) line.append(el("span", {class: `finish ${end === "length" || end === "cancelled" ? "cut" : ""}`, "data-finish": end}, FINISH[end] || end));
+    return line;
+  }
+  // Markdown through marked, then DOMPurify: a model's reply is untrusted text (no script, no handlers, and no
+  // images or forms: a reply must not make the browser fetch anything). User messages stay plain text.
+  const PURIFY = {FORBID_TAGS: ["img", "style", "form", "input", "button", "video", "audio", "source"]};
+  function markdown(target, text) {
+    if (!window.marked || !window.DOMPurify) { target.textContent = text; return; }
+    target.innerHTML = DOMPurify.sanitize(marked.parse(text, {gfm: true, breaks: false}), PURIFY);
+    for (const pre of target.querySelectorAll("pre")) {
+      const copy = el("button", {class: "ghost copy-code", title: "Copy this code"}, "Copy");
+      copy.onclick = () => copyText(pre.querySelector("code")?.textContent ?? pre.textContent, copy);
+      pre.prepend(copy);
+    }
+  }
+  async function copyText(text, button) {
+    try { await navigator.clipboard.writeText(text); } catch { return; }
+    const was = button.textContent; button.textContent = "Copied"; setTimeout(() => { button.textContent = was; }, 1200);
   }
   function bubble(role, text, thinking, stats) {
     const div = el("div", {class: `msg ${role}`});
     const think = el("details", {}, el("summary", {}, "Thinking"), el("div", {class: "think"}, thinking || ""));
     if (!thinking) think.style.display = "none";
-    const body = el("div", {class: "body"}, text || "");
-    div.append(think, body);
+    const body = el("div", {class: "body"});
+    div.dataset.text = text || "";
+    if (role === "assistant") markdown(body, text || ""); else body.textContent = text || "";
+    const copy = el("button", {class: "ghost copy-msg", title: "Copy the message"}, "Copy");
+    copy.onclick = () => copyText(div.dataset.text, copy);
+    div.append(think, body, el("div", {class: "actions"}, copy));
     const s = statsLine(stats); if (s) div.append(s);
     return div;
   }
@@ -79,18 +104,30 @@
     if (box.querySelector(".empty")) box.innerHTML = "";
     box.append(bubble("user", text));
     const reply = bubble("assistant", "", "");
-    reply.classList.add("streaming");
+    reply.classList.add("streaming", "waiting");  // a typing indicator until the first token
     box.append(reply); box.scrollTop = box.scrollHeight;
     const body = reply.querySelector(".body"), think = reply.querySelector("details"), thinkText = reply.querySelector(".think");
+    let answer = "", drawn = false, stopped = false;
+    const draw = () => { drawn = false; markdown(body, answer); };
     $("send").disabled = true; $("stop").disabled = false;
+    $("stop").onclick = () => { if (streaming) { stopped = true; streaming.abort(); } };
     streaming = api.stream(`/ui/api/sessions/${current.id}/chat`, {content: text, options: options()}, (ev) => {
-      if (ev.type === "text") body.textContent += ev.text;
+      if (ev.type === "text" || ev.type === "thinking") reply.classList.remove("waiting");
+      if (ev.type === "text") {
+        answer += ev.text; reply.dataset.text = answer;
+        if (!drawn) { drawn = true; requestAnimationFrame(draw); }  // one render per frame, not per token
+      }
       else if (ev.type === "thinking") { think.style.display = ""; thinkText.textContent += ev.text; }
-      else if (ev.type === "done") { const s = statsLine(ev.stats); if (s) reply.append(s); reply.dataset.done = "1"; }
+      else if (ev.type === "done") { markdown(body, answer); const s = statsLine(ev.stats); if (s) reply.append(s); reply.dataset.done = "1"; }
       else if (ev.type === "error") body.append(el("div", {class: "error"}, ev.message));
       box.scrollTop = box.scrollHeight;
     }, (err) => {
-      if (err) body.append(el("div", {class: "error"}, err.message));
+      reply.classList.remove("waiting");
+      if (stopped && !reply.dataset.done) {  // marked at once, not only after a reload
+        markdown(body, answer);
+        reply.append(statsLine({outcome: "cancelled"}));
+        reply.dataset.done = "1";
+      } else if (err) body.append(el("div", {class: "error"}, err.message));
       reply.classList.remove("streaming"); streaming = null;
       $("send").disabled = false; $("stop").disabled = true;
       api.get(`/ui/api/sessions/${current.id}`).then((s) => { current = s; $("session-title").value = s.title; });
@@ -99,7 +136,6 @@
   }
   document.addEventListener("DOMContentLoaded", async () => {
     $("send").onclick = send;
-    $("stop").onclick = () => streaming && streaming.abort();
     $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); } });
     $("new-session").onclick = newSession;
     $("session-title").addEventListener("change", async () => {
