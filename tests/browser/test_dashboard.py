@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.browser.conftest import App, screenshot
 from tests.integration.web.conftest import engine_held
@@ -36,6 +37,45 @@ def test_every_page_loads_with_the_gauge(page: Any, app: App) -> None:
         page.wait_for_function("document.getElementById('g-mem').textContent !== '—'")  # model memory measured
         assert page.locator("#g-mem").inner_text().endswith("MB")
         screenshot(page, f"page-{name}")
+
+
+MAIN_CONTROL = {"chat": "#send", "models": "#load-go", "telemetry": "#chart-toks", "roofline": "#roof-go",
+                "race": "#race-go"}  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [390, 768, 1280])
+def test_every_page_fits_the_screen(chromium: Any, app: App, width: int) -> None:
+    """No page scrolls sideways and its main control is on screen (at 390 px the chat column was 2 px wide)."""
+    context = chromium.new_context(viewport={"width": width, "height": 800}, base_url=app.base_url)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        for name in PAGES:
+            page.goto(f"/ui/{name}")
+            wait_ready(page)
+            overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 1, f"{name} at {width} px scrolls sideways by {overflow} px"
+            control = page.locator(MAIN_CONTROL[name])
+            box = control.bounding_box()
+            assert control.is_visible() and box is not None and box["width"] > 20, (name, width, box)
+            assert box["x"] >= 0 and box["x"] + box["width"] <= width, (name, width, box)
+            screenshot(page, f"page-{name}-{width}")
+        if width < 1100:  # chat's sessions and settings are drawers there
+            page.goto("/ui/chat")
+            wait_ready(page)
+            prompt = page.locator("#prompt").bounding_box()
+            assert prompt is not None and prompt["width"] > width * 0.5
+            assert not page.locator("#temperature").is_visible()
+            page.click("#toggle-settings")
+            assert page.locator("#temperature").is_visible()
+            page.click("#close-settings")
+            page.click("#toggle-sessions")
+            assert page.locator("#new-session").is_visible()
+            screenshot(page, f"chat-drawer-{width}")
+        assert errors == []
+    finally:
+        context.close()
 
 
 def test_chat_streams_an_answer_and_the_session_is_found_after_a_reload(page: Any, app: App) -> None:

@@ -135,6 +135,12 @@
     });
   }
   document.addEventListener("DOMContentLoaded", async () => {
+    // Narrow screens: sessions and settings are drawers over the conversation.
+    const chat = document.querySelector(".chat");
+    const drawer = (name) => () => { chat.classList.toggle(`show-${name}`); chat.classList.remove(`show-${name === "sessions" ? "settings" : "sessions"}`); };
+    $("toggle-sessions").onclick = drawer("sessions"); $("close-sessions").onclick = () => chat.classList.remove("show-sessions");
+    $("toggle-settings").onclick = drawer("settings"); $("close-settings").onclick = () => chat.classList.remove("show-settings");
+    $("session-list").addEventListener("click", () => chat.classList.remove("show-sessions"));
     $("send").onclick = send;
     $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); } });
     $("new-session").onclick = newSession;
