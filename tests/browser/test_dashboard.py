@@ -33,6 +33,7 @@ def test_every_page_loads_with_the_gauge(page: Any, app: App) -> None:
         page.goto(f"/ui/{name}")
         wait_ready(page)
         assert page.locator("#g-model").inner_text() == "default"
+        assert page.locator("#g-mode").inner_text().lower() == "mode plain"  # not "baseline" here, "plain" there
         assert page.locator(f"nav a[data-nav='{name}']").get_attribute("class") == "active"
         page.wait_for_function("document.getElementById('g-mem').textContent !== '—'")  # model memory measured
         assert page.locator("#g-mem").inner_text().endswith("MB")
@@ -121,6 +122,7 @@ def test_a_reply_renders_as_sanitised_markdown_with_copy_buttons(page: Any, app:
     assert answer.locator(".body img").count() == 0 and page.evaluate("window.pwned") is None  # nothing fetched
     line = answer.locator(".stats").inner_text()
     assert "12.3 tok/s" in line and "12.3456" not in line and "hit the max-tokens limit" in line
+    assert line.startswith("plain") and "baseline" not in line  # one name for plain decoding on every page
     assert page.locator(".msg.user .body").last.inner_text() == "Show me."  # the user's text stays plain
     screenshot(page, "chat-markdown")
 
@@ -176,7 +178,7 @@ def test_the_telemetry_charts_update_live(page: Any, app: App) -> None:
     assert len(results) == 2
     page.wait_for_function("Chart.getChart('chart-batch').data.datasets[0].data.includes(2)")
     assert page.locator("#k-batch-max").inner_text() == "2"
-    # Requests are named by arrival number and source ("#3 baseline"), and none is left counted as running.
+    # Requests are named by arrival number and source ("#3 plain"), and none is left counted as running.
     assert page.evaluate("Chart.getChart('chart-time').data.labels.every((l) => /^#[0-9]+ [a-z]+$/.test(l))")
     page.wait_for_function("/^[0-9]+$/.test(document.getElementById('k-requests').textContent)")
     screenshot(page, "telemetry-live")

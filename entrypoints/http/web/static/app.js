@@ -37,6 +37,8 @@ const api = {
     return ctrl;
   },
 };
+// One name for plain decoding on every page: the server says "baseline" (the mode) or "none" (a round's source).
+function modeName(m) { return m === "baseline" || m === "none" ? "plain" : m; }
 function fmtBytes(n) {
   if (!n) return "—";
   const u = ["B", "KB", "MB", "GB", "TB"]; let i = 0;
@@ -66,7 +68,7 @@ async function refreshGauge() {
     state.className = "pill " + (s.ready ? "ok" : (s.error ? "err" : "load"));
     state.title = s.error || "";
     document.getElementById("g-model").textContent = s.model;
-    document.getElementById("g-mode").textContent = "mode " + s.mode;
+    document.getElementById("g-mode").textContent = "mode " + modeName(s.mode);
     const toks = s.live_tok_s || s.last_tok_s || 0;
     document.getElementById("g-toks").textContent = toks.toFixed(1);
     document.getElementById("g-mem").textContent = fmtBytes(s.model_bytes);

@@ -21,7 +21,7 @@
   function statsLine(st) {
     if (!st) return null;
     const parts = [];
-    if (st.mode) parts.push(st.mode);
+    if (st.mode) parts.push(modeName(st.mode));
     if (st.completion_tokens !== undefined) parts.push(`${st.completion_tokens} tokens`);
     if (st.tok_s !== undefined) parts.push(`${fixed(st.tok_s, 1)} tok/s`);
     if (st.mean_accepted !== undefined) parts.push(`${fixed(st.mean_accepted, 2)} tokens/round`);
@@ -160,9 +160,9 @@
     $("export-json").onclick = () => current && (location.href = `/ui/api/sessions/${current.id}/export?format=json`);
     document.addEventListener("status", (e) => {
       const sel = $("mode");
-      sel.options[0].textContent = `served (${e.detail.mode})`;
+      sel.options[0].textContent = `served (${modeName(e.detail.mode)})`;
       if (sel.options.length > 1) return;
-      for (const m of e.detail.modes) if (m === "baseline" || m === "lookup" || (e.detail.drafters || []).includes(m)) sel.append(el("option", {value: m}, m));
+      for (const m of e.detail.modes) if (m === "baseline" || m === "lookup" || (e.detail.drafters || []).includes(m)) sel.append(el("option", {value: m}, modeName(m)));
       if (current && current.settings && current.settings.mode) sel.value = current.settings.mode;
     });
     const list = await loadSessions();

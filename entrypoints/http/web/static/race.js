@@ -5,7 +5,7 @@
   let running = null;
   function lane(mode) {
     return el("div", {class: "card lane", id: `lane-${mode}`},
-      el("h2", {}, mode === "baseline" ? "plain (baseline)" : mode),
+      el("h2", {}, modeName(mode)),
       el("div", {class: "out"}), el("div", {class: "meta"}, "waiting…"));
   }
   function start() {

@@ -4,7 +4,7 @@
   const $ = (id) => document.getElementById(id);
   let chart = null;
   function draw(r) {
-    const labels = r.lanes.map((l) => l.mode === "baseline" ? "plain" : l.mode);
+    const labels = r.lanes.map((l) => modeName(l.mode));
     const data = r.lanes.map((l) => +l.tok_s.toFixed(2));
     const colors = r.lanes.map((l) => l.tok_s > r.ceiling_tok_s ? "#3ecf8e" : (l.mode === "baseline" ? "#6ea8fe" : "#a78bfa"));
     if (chart) chart.destroy();
@@ -23,7 +23,7 @@
     let best = 0;
     for (const l of r.lanes) {
       best = Math.max(best, l.vs_ceiling);
-      body.append(el("tr", {}, el("td", {}, l.mode === "baseline" ? "plain" : l.mode), el("td", {class: "num"}, l.tok_s.toFixed(1)),
+      body.append(el("tr", {}, el("td", {}, modeName(l.mode)), el("td", {class: "num"}, l.tok_s.toFixed(1)),
         el("td", {class: "num"}, l.mean_accepted.toFixed(2)), el("td", {class: `num ${l.vs_ceiling > 1 ? "v-green" : ""}`}, l.vs_ceiling.toFixed(2) + "×")));
     }
     $("r-bw").textContent = (r.bandwidth_bytes_per_s / 1e9).toFixed(1) + " GB/s";

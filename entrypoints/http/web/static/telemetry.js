@@ -6,7 +6,7 @@
   let charts = {}, n = 0, hist = {}, requests = {}, reqOrder = [], updated = 0, drafted = 0, accepted = 0;
   const running = new Set(), numbers = {};
   // Requests by their arrival number and what ran them ("#3 dspark"), not by an opaque id's tail.
-  const label = (id) => `#${numbers[id] ??= Object.keys(numbers).length + 1}` + (requests[id] ? ` ${requests[id].source}` : "");
+  const label = (id) => `#${numbers[id] ??= Object.keys(numbers).length + 1}` + (requests[id] ? ` ${modeName(requests[id].source)}` : "");
   let finishedCount = 0;
   function showRequests() {  // finished ones, and those still running (the tile read 0 while one ran)
     $("k-requests").textContent = finishedCount + (running.size ? ` (+${running.size} running)` : "");
@@ -70,7 +70,7 @@
       if (ev.drafted) hist[ev.accepted] = (hist[ev.accepted] || 0) + 1;
       drafted += ev.drafted; accepted += ev.accepted;
       ev.positions.forEach((ok, i) => { tried[i] = (tried[i] || 0) + 1; hits[i] = (hits[i] || 0) + ok; });
-      sources[ev.source] = (sources[ev.source] || 0) + 1;
+      sources[modeName(ev.source)] = (sources[modeName(ev.source)] || 0) + 1;
       if (drafted) $("k-accept").textContent = ((accepted / drafted) * 100).toFixed(1) + "%";
       $("k-rounds").textContent = (+$("k-rounds").textContent || 0) + 1;
       if (t0 === null) $("k-batch").textContent = ev.batch;  // a serial engine: no batch events
