@@ -131,6 +131,19 @@ class SqliteSessionStore:
             cur = db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
         return cur.rowcount > 0
 
+    def truncate(self, session_id: str, message_id: int) -> int:
+        """Remove message `message_id` and every later one of the session, in one transaction; returns how many.
+
+        Raises:
+            KeyError: no such session.
+        """
+        with self._write() as db:
+            cur = db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
+            if cur.rowcount == 0:
+                raise KeyError(session_id)
+            cur = db.execute("DELETE FROM messages WHERE session_id = ? AND id >= ?", (session_id, message_id))
+        return int(cur.rowcount)
+
     def append(
         self,
         session_id: str,

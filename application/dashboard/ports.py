@@ -50,6 +50,10 @@ class SessionStore(Protocol):
 
     def messages(self, session_id: str) -> list[StoredMessage]: ...
 
+    def truncate(self, session_id: str, message_id: int) -> int:
+        """Remove that message and every later one (regenerate, edit and resend); returns how many went."""
+        ...
+
 
 Listener = Callable[[dict[str, Any]], None]
 

@@ -180,6 +180,21 @@ class SessionService:
         self.require(session_id)
         return list(self.store.messages(session_id))
 
+    def rewind(self, session_id: str, message_id: int) -> str:
+        """Drop a user message and everything after it, and return its text: the page resends it (regenerate) or
+        puts it back in the composer to edit (edit and resend). The history the next turn sees ends before it.
+
+        Raises:
+            SessionNotFound: no such session.
+            InvalidRequest: `message_id` is not one of this session's user messages.
+        """
+        self.require(session_id)
+        target = next((m for m in self.store.messages(session_id) if m.id == message_id), None)
+        if target is None or target.role != "user":
+            raise InvalidRequest(message="rewind takes one of this session's user messages", param="message_id")
+        self.store.truncate(session_id, message_id)
+        return target.content
+
     def delete(self, session_id: str) -> None:
         """Raises SessionNotFound when there is no such session."""
         if not self.store.delete(session_id):

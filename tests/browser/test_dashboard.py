@@ -233,3 +233,18 @@ def test_the_roofline_measures_bandwidth_and_the_ceiling(page: Any, app: App) ->
     # Every drafter is ticked by default: plain decoding and the three sources.
     assert page.locator("#roof-table tbody tr").count() == 4
     screenshot(page, "roofline")
+
+
+def test_a_reply_regenerates_and_a_question_comes_back_to_edit(page: Any, app: App) -> None:
+    fill_and_go(page, "/ui/chat", {"#max_tokens": "6", "#prompt": "Name a fruit."}, "#send")
+    page.wait_for_selector(".msg.assistant .regen-msg")  # the saved turn, with its ids
+    first = page.locator(".msg.assistant .body").last.inner_text()
+    page.evaluate("document.querySelector('.msg.assistant').dataset.old = '1'")  # gone once the page re-renders
+    page.locator(".msg.assistant .regen-msg").last.click()
+    again = "!document.querySelector('[data-old]') && document.querySelectorAll('.msg').length === 2"
+    page.wait_for_function(f"{again} && !!document.querySelector('.msg.assistant .regen-msg')")
+    assert page.locator(".msg.assistant .body").last.inner_text() == first  # greedy: the same reply again
+    page.locator(".msg.user .edit-msg").last.click()
+    page.wait_for_function("document.getElementById('prompt').value === 'Name a fruit.'")
+    assert page.locator(".msg").count() == 0  # the question left the history; it waits in the composer
+    screenshot(page, "chat-edit")

@@ -359,6 +359,17 @@ async def rename_session(request: Request[Any, Any, Any], session_id: str) -> di
     return {"ok": True}
 
 
+@post("/ui/api/sessions/{session_id:str}/rewind", status_code=200)
+async def rewind_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
+    """Drop a user message and what follows it; its text comes back (regenerate resends it, edit refills it)."""
+    body = await _json(request)
+    message_id = body.get("message_id")
+    if isinstance(message_id, bool) or not isinstance(message_id, int):
+        raise InvalidRequest(message=f"message_id must be a message's id; got {quoted(message_id)}", param="message_id")
+    text = await asyncio.to_thread(dashboard(request).sessions.rewind, session_id, message_id)
+    return {"ok": True, "content": text}
+
+
 @delete("/ui/api/sessions/{session_id:str}", status_code=200, sync_to_thread=True)
 def delete_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
     dashboard(request).sessions.delete(session_id)
@@ -519,6 +530,7 @@ def routers() -> list[Router]:
             create_session,
             get_session,
             rename_session,
+            rewind_session,
             delete_session,
             export_session,
             chat,

@@ -403,3 +403,31 @@ def test_a_chat_page_turn_logs_the_one_canonical_line(tmp_path: Path) -> None:
             assert len(logs.requests(dialect="ui")) == 1 and secret not in logs.text
     finally:
         restore_logging()
+
+
+def test_a_session_rewinds_to_a_user_message_for_regenerate_and_edit(web: WebServer) -> None:
+    sid = httpx.post(web.base_url + "/ui/api/sessions", json={}).json()["id"]
+    for text in ("First question.", "Second question."):
+        post_stream(web.base_url, f"/ui/api/sessions/{sid}/chat", {"content": text, "options": {"max_tokens": 6}})
+    messages = httpx.get(f"{web.base_url}/ui/api/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    rewind = f"{web.base_url}/ui/api/sessions/{sid}/rewind"
+    # An assistant message, a foreign id or a malformed one is refused; nothing is dropped.
+    assert httpx.post(rewind, json={"message_id": messages[1]["id"]}).status_code == 400
+    assert httpx.post(rewind, json={"message_id": 10**9}).status_code == 400
+    assert httpx.post(rewind, json={"message_id": "3"}).status_code == 400
+    assert httpx.post(f"{web.base_url}/ui/api/sessions/nope/rewind", json={"message_id": 1}).status_code == 404
+    assert len(httpx.get(f"{web.base_url}/ui/api/sessions/{sid}").json()["messages"]) == 4
+    # Regenerate the last reply: drop from its question on, ask again; the history is the first turn plus it.
+    r = httpx.post(rewind, json={"message_id": messages[2]["id"]})
+    assert r.status_code == 200 and r.json()["content"] == "Second question."
+    assert [m["content"] for m in httpx.get(f"{web.base_url}/ui/api/sessions/{sid}").json()["messages"]] == [
+        "First question.",
+        messages[1]["content"],
+    ]
+    post_stream(
+        web.base_url, f"/ui/api/sessions/{sid}/chat", {"content": "Second question.", "options": {"max_tokens": 6}}
+    )
+    again = httpx.get(f"{web.base_url}/ui/api/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in again] == ["user", "assistant", "user", "assistant"]
+    assert again[3]["content"] == messages[3]["content"]  # greedy: the same reply to the same history

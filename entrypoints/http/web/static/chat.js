@@ -47,7 +47,7 @@
     try { await navigator.clipboard.writeText(text); } catch { return; }
     const was = button.textContent; button.textContent = "Copied"; setTimeout(() => { button.textContent = was; }, 1200);
   }
-  function bubble(role, text, thinking, stats) {
+  function bubble(role, text, thinking, stats, id) {
     const div = el("div", {class: `msg ${role}`});
     const think = el("details", {}, el("summary", {}, "Thinking"), el("div", {class: "think"}, thinking || ""));
     if (!thinking) think.style.display = "none";
@@ -56,14 +56,25 @@
     if (role === "assistant") markdown(body, text || ""); else body.textContent = text || "";
     const copy = el("button", {class: "ghost copy-msg", title: "Copy the message"}, "Copy");
     copy.onclick = () => copyText(div.dataset.text, copy);
-    div.append(think, body, el("div", {class: "actions"}, copy));
+    const actions = el("div", {class: "actions"}, copy);
+    if (id !== undefined && role === "user") {
+      const edit = el("button", {class: "ghost edit-msg", title: "Edit this message and send it again"}, "Edit");
+      edit.onclick = () => rewind(id, false);
+      actions.append(edit);
+    }
+    if (id !== undefined && role === "assistant") {
+      const again = el("button", {class: "ghost regen-msg", title: "Drop this reply and generate it again"}, "Regenerate");
+      again.onclick = () => { const asked = userBefore(id); if (asked !== undefined) rewind(asked, true); };
+      actions.append(again);
+    }
+    div.append(think, body, actions);
     const s = statsLine(stats); if (s) div.append(s);
     return div;
   }
   function render(messages) {
     const box = $("messages"); box.innerHTML = "";
     if (!messages.length) box.append(el("div", {class: "empty"}, "Start a conversation. Replies stream from the served model."));
-    for (const m of messages) box.append(bubble(m.role, m.content, m.thinking, m.role === "assistant" ? m.stats : null));
+    for (const m of messages) box.append(bubble(m.role, m.content, m.thinking, m.role === "assistant" ? m.stats : null, m.id));
     box.scrollTop = box.scrollHeight;
   }
   function applySettings(st) {
@@ -95,11 +106,26 @@
       stop: $("stop-strings").value.split("\n").filter((s) => s), thinking: th === "default" ? null : th === "on",
     };
   }
-  async function send() {
-    const text = $("prompt").value.trim();
+  // The user message a reply answered (regenerate resends it).
+  function userBefore(id) {
+    const list = (current && current.messages) || [];
+    const at = list.findIndex((m) => m.id === id);
+    for (let i = at - 1; i >= 0; i--) if (list[i].role === "user") return list[i].id;
+    return undefined;
+  }
+  // Drop a user message and what follows; resend it (regenerate) or put it back in the composer (edit).
+  async function rewind(id, resend) {
+    if (streaming || !current) return;
+    const r = await api.post(`/ui/api/sessions/${current.id}/rewind`, {message_id: id});
+    current = await api.get(`/ui/api/sessions/${current.id}`);
+    render(current.messages);
+    if (resend) send(r.content); else { $("prompt").value = r.content; $("prompt").focus(); }
+  }
+  async function send(again) {
+    const text = typeof again === "string" ? again : $("prompt").value.trim();
     if (!text || streaming) return;
     if (!current) await newSession();
-    $("prompt").value = "";
+    if (typeof again !== "string") $("prompt").value = "";
     const box = $("messages");
     if (box.querySelector(".empty")) box.innerHTML = "";
     box.append(bubble("user", text));
@@ -130,7 +156,12 @@
       } else if (err) body.append(el("div", {class: "error"}, err.message));
       reply.classList.remove("streaming"); streaming = null;
       $("send").disabled = false; $("stop").disabled = true;
-      api.get(`/ui/api/sessions/${current.id}`).then((s) => { current = s; $("session-title").value = s.title; });
+      // The saved turn, with its message ids (edit, regenerate) and final stats.
+      api.get(`/ui/api/sessions/${current.id}`).then((s) => {
+        const shown = $("messages").querySelectorAll(".msg").length;
+        current = s; $("session-title").value = s.title;
+        if (s.messages.length === shown) render(s.messages);  // the same turns, now with ids (a failed save keeps the page)
+      });
       loadSessions(current.id);
     });
   }
