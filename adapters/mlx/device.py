@@ -11,6 +11,25 @@ from typing import Any
 from mlx_dspark.adapters.mlx.blas import blas_status, ensure_fast_blas
 
 
+def cuda_switch(env: str) -> bool:
+    """An "auto" | "on" | "off" switch read from the environment variable `env`; auto means on where MLX runs on
+    CUDA (the accelerator-path switches: key buckets, row products).
+
+    Raises:
+        ValueError: another value.
+    """
+    import os
+
+    import mlx.core as mx
+
+    mode = os.environ.get(env, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{env} must be auto, on or off, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return bool(mx.default_device().type == mx.gpu and mx.cuda.is_available())
+
+
 def describe_runtime() -> dict[str, Any]:
     """Device, MLX version and which BLAS fp32 GEMM uses (plus a measured GEMM rate)."""
     status = blas_status() or ensure_fast_blas()

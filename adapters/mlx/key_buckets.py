@@ -12,11 +12,12 @@ lengths there (padded keys would only add masked work).
 
 from __future__ import annotations
 
-import os
 import threading
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from mlx_dspark.adapters.mlx.device import cuda_switch
 
 ENV = "MLX_DSPARK_KEY_BUCKETS"  # "auto" (CUDA only), "on", "off"
 STEP = 256  # rows per bucket: mlx-lm's own KV growth step, which MLX's CUDA decode path also keys on
@@ -25,12 +26,7 @@ MAX_QUERY = 32  # widest forward that attends over the padded buffer (verifies, 
 
 def enabled() -> bool:
     """Whether wide forwards attend over padded key buckets in this process (see the module docstring)."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV} must be auto, on or off, got {mode!r}")
-    if mode != "auto":
-        return mode == "on"
-    return bool(mx.default_device().type == mx.gpu and mx.cuda.is_available())
+    return cuda_switch(ENV)
 
 
 def capacity(rows: int) -> int:

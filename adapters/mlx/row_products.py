@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from mlx_dspark.adapters.mlx.device import cuda_switch
+
 ENV = "MLX_DSPARK_ROW_PRODUCTS"  # "auto" (CUDA only), "on", "off"
 MAX_ROWS = 32  # widest projection run as row products: a verify or a draft block, not a prefill chunk
 # rows x weight bytes a projection may re-read (see the module docstring); MLX_DSPARK_ROW_BYTES sets it for a bench
@@ -38,12 +40,7 @@ _LINEAR = nn.Linear.__call__  # MLX's own projection
 
 def enabled() -> bool:
     """Whether models loaded in this process run their few-row projections as row products."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV} must be auto, on or off, got {mode!r}")
-    if mode != "auto":
-        return mode == "on"
-    return bool(mx.default_device().type == mx.gpu and mx.cuda.is_available())
+    return cuda_switch(ENV)
 
 
 def product(weight: mx.array, x: mx.array) -> mx.array:
