@@ -44,6 +44,9 @@ def _console_exceptions() -> structlog.typing.ExceptionRenderer:
     return structlog.dev.RichTracebackFormatter(show_locals=False)
 
 
+LIBRARY_LOGGERS = ("huggingface_hub",)  # they add a stderr handler of their own
+
+
 def configure_logging(settings: TelemetrySettings) -> None:
     """Console lines on a terminal, JSON otherwise, on stderr; one shared format for stdlib loggers too.
 
@@ -76,6 +79,10 @@ def configure_logging(settings: TelemetrySettings) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(max(level, logging.WARNING))
+    # Libraries that print through a handler of their own and propagate too wrote each line twice (a download's
+    # every retry): their lines go through the one structured handler only.
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).handlers = []
 
 
 def library_logging() -> None:

@@ -474,3 +474,22 @@ def test_streamed_answers_are_counted_by_outcome_in_metrics(live: LiveServer) ->
         assert r.status_code == 200 and r.text
         assert _send(live, path, BODIES[path]).status_code == 200  # a whole answer is not a stream
     assert _streams(live, "completed") == before + 3
+
+
+def test_a_library_warning_is_logged_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """huggingface-hub prints through a stderr handler of its own and propagates too: every download retry was
+    written twice, once unstructured. After the CLI's logging setup it is one structured line."""
+    import logging
+
+    import huggingface_hub.utils.logging  # noqa: F401 - installs its own handler
+
+    from tests.integration.http.conftest import capture_logs, restore_logging
+
+    logs = capture_logs()
+    try:
+        logging.getLogger("huggingface_hub.utils._http").warning("retrying in 1s [Retry 1/5]")
+        assert logs.text.count("retrying in 1s") == 1
+        assert "retrying in 1s" not in capsys.readouterr().err
+        assert logging.getLogger("huggingface_hub").handlers == []
+    finally:
+        restore_logging()
