@@ -58,7 +58,7 @@ def export_target(gguf_path: str, out: str) -> None:
     path = Path(gguf_path)
     reader = gguf.open_gguf(path)
     arch = gguf.gguf_architecture(reader, path)
-    meta = gguf._metadata(reader)
+    meta = gguf.metadata(reader)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     cfg = gguf.model_config(meta, arch, shapes, path)
     weights, quant = gguf.convert_weights(reader, arch, cfg, path, keep_quantized=True)

@@ -236,7 +236,13 @@ def test_the_roofline_measures_bandwidth_and_the_ceiling(page: Any, app: App) ->
 
 
 def test_a_reply_regenerates_and_a_question_comes_back_to_edit(page: Any, app: App) -> None:
-    fill_and_go(page, "/ui/chat", {"#max_tokens": "6", "#prompt": "Name a fruit."}, "#send")
+    page.goto("/ui/chat")
+    wait_ready(page)
+    page.click("#new-session")  # a session of its own: earlier tests' sessions hold other turns
+    page.wait_for_selector(".msgs .empty")
+    page.fill("#max_tokens", "6")
+    page.fill("#prompt", "Name a fruit.")
+    page.click("#send")
     page.wait_for_selector(".msg.assistant .regen-msg")  # the saved turn, with its ids
     first = page.locator(".msg.assistant .body").last.inner_text()
     page.evaluate("document.querySelector('.msg.assistant').dataset.old = '1'")  # gone once the page re-renders

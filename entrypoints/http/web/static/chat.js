@@ -74,7 +74,11 @@
   function render(messages) {
     const box = $("messages"); box.innerHTML = "";
     if (!messages.length) box.append(el("div", {class: "empty"}, "Start a conversation. Replies stream from the served model."));
-    for (const m of messages) box.append(bubble(m.role, m.content, m.thinking, m.role === "assistant" ? m.stats : null, m.id));
+    for (const m of messages) {
+      const b = bubble(m.role, m.content, m.thinking, m.role === "assistant" ? m.stats : null, m.id);
+      if (m.role === "assistant") b.dataset.done = "1";  // a saved reply is complete
+      box.append(b);
+    }
     box.scrollTop = box.scrollHeight;
   }
   function applySettings(st) {
