@@ -22,7 +22,7 @@ from mlx_dspark.application.modes import auto_candidates, build_generator
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftContext
-from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.errors import IncompatibleDrafter, InvalidRequest
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from mlx_dspark.entrypoints.cli import bench
 from tests.fakes.clock import RecordingTelemetrySink
@@ -56,7 +56,14 @@ def test_the_shared_prefix() -> None:
     assert shared_prefix([1, 2], [1, 2]) == 2
 
 
-@pytest.mark.parametrize("kind", ["perfect", "close", "random", "recurrent"])
+def test_a_draft_model_whose_cache_cannot_trim_is_refused() -> None:
+    # A recurrent draft model's cache is rebuilt each round; in the full suite that left the target decoding
+    # zeros (not understood yet), so such a model is refused in words instead.
+    with pytest.raises(IncompatibleDrafter, match="recurrent layers"):
+        DraftModelSource(drafts_for(None, "recurrent"))
+
+
+@pytest.mark.parametrize("kind", ["perfect", "close", "random"])
 @pytest.mark.parametrize("cap", [1, 4, 9])
 def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -> None:
     source = DraftModelSource(drafts_for(target, kind))
@@ -81,7 +88,7 @@ def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -
         assert 0 < accepted < drafted  # a mix of accepted and rejected drafts: rollback exercised
 
 
-@pytest.mark.parametrize("kind", ["close", "recurrent"])
+@pytest.mark.parametrize("kind", ["close"])
 def test_the_rolled_back_cache_drafts_as_a_fresh_one(target: Any, kind: str) -> None:
     draft = drafts_for(target, kind)
     source = DraftModelSource(draft)
