@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_dspark.adapters.hf.default_models import EMBEDDED, package_dir
-from mlx_dspark.adapters.hf.hub import MAX_HEADER
+from mlx_dspark.adapters.hf.hub import MAX_HEADER, header_tensors
 from mlx_dspark.adapters.hf.loader import packaged_drafters
 from mlx_dspark.adapters.hf.resolve import hf_cache_dir
 from mlx_dspark.domain import fit
@@ -63,9 +63,7 @@ def _folder_facts(folder: Path) -> RepoFacts:
                 header = json.loads(f.read(n))
         except (OSError, ValueError, struct.error) as exc:
             raise ModelUnavailable(message=f"{folder / name}: unreadable safetensors header ({exc})") from exc
-        for key, value in header.items():
-            if key != "__metadata__":
-                tensors[f"{name}:{key}"] = (str(value["dtype"]), tuple(value["shape"]))
+        tensors.update(header_tensors(name, header))
     if not tensors:
         raise ModelUnavailable(message=f"{folder} has no safetensors weights")
     return RepoFacts(
@@ -83,8 +81,7 @@ def _gguf_facts(path: Path) -> RepoFacts:
 
     reader = gguf.open_gguf(path)
     arch = gguf.gguf_architecture(reader, path)
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    config = gguf.model_config(gguf.metadata(reader), arch, shapes, path)
+    config = gguf.model_config(gguf.metadata(reader), arch, gguf.tensor_shapes(reader), path)
     try:
         shape = fit.shape_from_config(config)
     except ValueError as exc:

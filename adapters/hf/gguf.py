@@ -73,6 +73,11 @@ def open_gguf(path: Path) -> Any:
     return reader
 
 
+def tensor_shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    """numpy-order shapes of a GGUF's tensors by GGUF name."""
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+
+
 def metadata(reader: Any) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
@@ -329,7 +334,7 @@ def write_mlx_dir(gguf_path: Path, out: Path, *, keep_quantized: bool = False, s
     reader = open_gguf(gguf_path)
     arch = gguf_architecture(reader, gguf_path)
     meta = metadata(reader)
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    shapes = tensor_shapes(reader)
     if "token_embd.weight" not in shapes:
         raise _fail(gguf_path, "it has no token_embd.weight tensor")
     cfg = model_config(meta, arch, shapes, gguf_path)

@@ -37,6 +37,14 @@ REACH_TIMEOUT_S = 3.0  # a TCP connect to the hub; longer means unreachable for 
 REACH_KEEP_S = {True: 300.0, False: 15.0}  # how long a reachable / unreachable answer is trusted
 
 
+def header_tensors(file: str, header: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{"file:tensor": (dtype, shape)} of one safetensors JSON header (its metadata entry left out)."""
+    return {
+        f"{file}:{key}": (str(value["dtype"]), tuple(value["shape"])) for key, value in header.items()
+        if key != "__metadata__"
+    }  # fmt: skip
+
+
 class Reachability:
     """Whether an endpoint's host accepts a TCP connection, asked at most once per `REACH_KEEP_S`."""
 
@@ -152,9 +160,7 @@ class HfModelHub:
             if not 0 < n <= MAX_HEADER:
                 raise ModelUnavailable(message=f"{repo_id}/{name}: implausible safetensors header length {n}")
             header = json.loads(self._get(repo_id, name, revision, (8, 8 + n - 1)))
-            for key, value in header.items():
-                if key != "__metadata__":
-                    tensors[f"{name}:{key}"] = (str(value["dtype"]), tuple(value["shape"]))
+            tensors.update(header_tensors(name, header))
         if not tensors:
             raise ModelUnavailable(message=f"{repo_id} has no safetensors weights (GGUF-only repos are not estimated)")
         return RepoFacts(
