@@ -477,8 +477,14 @@ def bench_prompts(model_dir: Path, tokenizer: BenchTokenizer) -> dict[str, Any]:
 
 
 class _NullTelemetry:
+    """Keeps auto's moves (SourceSwitched: old, new, reason) of the request running now; nothing else."""
+
+    def __init__(self) -> None:
+        self.switches: list[str] = []
+
     def emit(self, request_id: str, event: Any) -> None:
-        pass
+        if type(event).__name__ == "SourceSwitched":
+            self.switches.append(f"{event.old}->{event.new}: {event.reason}")
 
 
 class _MemoryCalibrations:
@@ -543,6 +549,8 @@ def _brief(p: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
         "ttft_s": r.time_to_first_token_s,
         "mean_accepted": r.mean_accepted,
         "source": r.source,
+        "source_rounds": dict(r.source_rounds),
+        "source_switches": r.source_switches,
     }
 
 
@@ -615,8 +623,12 @@ def run_real(
     per_mode: dict[str, Any] = {}
     runs: list[BenchRun] = []
 
+    def brief(p: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
+        return {**_brief(p, r), "switches": list(telemetry.switches)}
+
     def request(service: GenerationService, p: dict[str, Any]) -> GenerationResult:
         target.reset(0)
+        telemetry.switches.clear()
         return service.generate(
             GenerationRequest(prompt=list(p["ids"]), max_tokens=max_tokens, sampling=greedy, prefix_cache=False)
         )
@@ -696,6 +708,7 @@ def run_real(
                 service = GenerationService(model, selector=choice.selector, clock=clock, telemetry=telemetry)
                 entry["race_tok_s"] = dict(choice.rates)
                 entry["race_winner"] = choice.mode
+                log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
             else:
                 src = sources.get(mode)
                 factory = None if src is None else cap_policy_factory(max_draft, None, src.max_block)
@@ -713,7 +726,7 @@ def run_real(
                 log(f"{mode}: warm-up of {done.requests} requests in {done.seconds:.1f}s")
             p = first_prompt(rest + seen_set, target.prompt_lengths)
             r = request(service, p)
-            entry["first_request"] = _brief(p, r)
+            entry["first_request"] = brief(p, r)
             log(f"{mode}: first request {r.tokens_per_second:.1f} tok/s at {r.prompt_tokens} tokens")
             entry["new_to_mode"], entry["seen_once"] = [], []
             for key in ("seen_once",) if smoke else ("new_to_mode", "seen_once"):
@@ -721,20 +734,23 @@ def run_real(
                     if budget.spent():
                         break
                     r = request(service, p)
-                    entry[key].append(_brief(p, r))
+                    entry[key].append(brief(p, r))
                     if key == "seen_once":
                         runs.append(_run_record(mode, p, r))
             log(f"{mode}: seen once {[round(x['decode_tok_s'], 1) for x in entry['seen_once']]} tok/s")
+            if mode == "auto":
+                for x in entry["new_to_mode"] + entry["seen_once"]:
+                    log(f"auto {x['prompt_id']}: rounds {x['source_rounds']}; " + " | ".join(x["switches"]))
             p = seen_set[0]
             if not smoke and not budget.spent():
                 r = request(service, p)
-                entry["warm"] = _brief(p, r)
+                entry["warm"] = brief(p, r)
             for name, barrier in (("marked", False), ("profiled", True)):
                 if budget.spent():
                     break
                 with calls.recording(barrier=barrier):
                     r = request(service, p)
-                entry[name] = {**_brief(p, r), "breakdown": breakdown(calls.rounds())}
+                entry[name] = {**brief(p, r), "breakdown": breakdown(calls.rounds())}
             if "warm" in entry:
                 per_round = entry.get("marked", {}).get("breakdown")
                 log(f"{mode}: warm {entry['warm']['decode_tok_s']:.1f} tok/s; per round {per_round}")
