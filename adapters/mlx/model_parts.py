@@ -27,11 +27,29 @@ def _owner(model: nn.Module) -> nn.Module:
 
 
 def _decoder(model: nn.Module) -> nn.Module:
-    """The decoder that owns `embed_tokens`, `layers` and the final norm."""
+    """The decoder that owns the token embedding, `layers` and the final norm (`backbone` in Nemotron-H)."""
     owner = _owner(model)
-    if "model" in owner and isinstance(owner["model"], nn.Module):
-        return owner["model"]
+    for name in ("model", "backbone"):
+        if name in owner and isinstance(owner[name], nn.Module):
+            return owner[name]
     return owner
+
+
+def _child(module: nn.Module, names: tuple[str, ...], what: str) -> nn.Module:
+    for name in names:
+        if name in module and isinstance(module[name], nn.Module):
+            return module[name]
+    raise TypeError(f"{type(module).__name__} has no {what} (looked for {', '.join(names)})")
+
+
+def embedding(model: nn.Module) -> nn.Module:
+    """The token embedding table (`embed_tokens`; `embeddings` in Nemotron-H)."""
+    return _child(_decoder(model), ("embed_tokens", "embeddings"), "token embedding")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm after the last decoder layer (`norm`; `norm_f` in Nemotron-H)."""
+    return _child(_decoder(model), ("norm", "norm_f"), "final norm")
 
 
 def model_args(model: nn.Module) -> Any:
@@ -66,7 +84,7 @@ def vocab_size(model: nn.Module) -> int:
     v = getattr(args, "vocab_size", None)
     if v:
         return int(v)
-    return int(_decoder(model).embed_tokens.weight.shape[0])
+    return int(embedding(model).weight.shape[0])
 
 
 def embed_scale(model: nn.Module) -> float:
@@ -78,7 +96,7 @@ def embed_scale(model: nn.Module) -> float:
         if kind in _BF16_ROUNDED_SCALE:
             scale = float(mx.array(scale, dtype=mx.bfloat16).astype(mx.float32).item())
         return scale
-    multiplier = getattr(args, "embedding_multiplier", None)  # granite
+    multiplier = getattr(args, "embedding_multiplier", None) or getattr(args, "scale_emb", None)  # granite, minicpm
     return float(multiplier) if multiplier else 1.0
 
 
@@ -92,7 +110,7 @@ def embed(model: nn.Module, ids: mx.array) -> mx.array:
     Returns:
         `ids.shape + (hidden,)` embeddings, scaled as the family does.
     """
-    h = _decoder(model).embed_tokens(ids)
+    h = embedding(model)(ids)
     scale = embed_scale(model)
     if scale != 1.0:
         h = h * mx.array(scale, dtype=h.dtype)
@@ -104,7 +122,7 @@ def head_projection(model: nn.Module, h: mx.array) -> mx.array:
     owner = _owner(model)
     if "lm_head" in owner and isinstance(owner["lm_head"], nn.Module):
         return owner["lm_head"](h)
-    return _decoder(model).embed_tokens.as_linear(h)
+    return embedding(model).as_linear(h)
 
 
 def final_logit_softcap(model: nn.Module) -> float | None:
@@ -119,6 +137,11 @@ def output_scale(model: nn.Module) -> float:
     kind = model_type(model)
     if kind.startswith("cohere"):
         return float(getattr(args, "logit_scale", 1.0) or 1.0)
+    if kind == "minicpm" and not args.tie_word_embeddings:  # muP: an untied head sees h / (H / base)
+        return float(args.dim_model_base) / float(args.hidden_size)
+    multiplier = getattr(args, "output_multiplier", None)  # muse_glimmer
+    if multiplier:
+        return float(multiplier)
     div = getattr(args, "logits_scaling", None)
     return 1.0 / float(div) if div else 1.0
 
@@ -151,6 +174,6 @@ def head_rows(model: nn.Module, token_ids: mx.array) -> mx.array:
     """The target head's weight rows [len(token_ids), H] (float32) for `token_ids`, whatever the head's
     layout (tied, untied, quantized): read as head_projection(I), so every layout is read the same way."""
     h = hidden_size(model)
-    eye = mx.eye(h, dtype=_decoder(model).norm.weight.dtype)
+    eye = mx.eye(h, dtype=final_norm(model).weight.dtype)
     full = head_projection(model, eye).astype(mx.float32).T
     return full[token_ids.astype(mx.int32)]

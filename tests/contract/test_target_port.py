@@ -1,7 +1,7 @@
 """One TargetModel behaviour suite over the fake OracleTarget and MlxTargetModel on tiny mlx-lm models.
 
 cached_tokens, verify/commit, commit(0) undo, reset(keep) prefix reuse, and which rows take_features hands
-out; the MLX targets cover a plain KV cache, a sliding window and a gated-DeltaNet hybrid.
+out; the MLX targets are every family of tests/fakes/tiny_models.py: plain KV, sliding windows, recurrent hybrids.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock
 from mlx_dspark.domain.ports import RollbackKind
 from mlx_dspark.domain.tokens import SamplingParams
 from tests.contract.targets import make_target
+from tests.fakes.tiny_models import FAMILIES, STATE
 
 GREEDY = SamplingParams()
 PROMPT = [3, 9, 4, 1, 12, 7, 2, 15, 6, 11, 5, 8]
@@ -19,9 +20,7 @@ BLOCK = DraftBlock(tokens=(4, 4, 9, 1), source="test")
 
 KINDS = {
     "oracle": RollbackKind.TRIM,
-    "mlx-llama": RollbackKind.TRIM,
-    "mlx-gemma3_text": RollbackKind.SNAPSHOT,
-    "mlx-qwen3_5": RollbackKind.SNAPSHOT,
+    **{f"mlx-{f}": RollbackKind.TRIM if STATE[f] == "kv" else RollbackKind.SNAPSHOT for f in FAMILIES},
 }
 
 
@@ -126,7 +125,8 @@ def test_reset_discards_a_pending_verify(kind):
 def test_short_prompts_cut_exactly_on_every_mlx_kind():
     """Within the sliding window and on plain KV, a cut is exact; recurrent state keeps nothing."""
     prompt = PROMPT[:6]
-    for kind, exact in (("mlx-llama", True), ("mlx-gemma3_text", True), ("mlx-qwen3_5", False)):
-        target = make(kind)
+    for family in FAMILIES:
+        exact = STATE[family] != "recurrent"
+        target = make(f"mlx-{family}")
         target.prefill(prompt, GREEDY, 0.5)
         assert target.reset(3) == (3 if exact else 0)

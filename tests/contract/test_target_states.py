@@ -15,12 +15,17 @@ from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock
 from mlx_dspark.domain.tokens import SamplingParams
 from tests.contract.targets import make_target, shared_model
-from tests.fakes.tiny_models import GEMMA_WINDOW
+from tests.fakes.tiny_models import FAMILIES, GEMMA_WINDOW, STATE
 
 GREEDY = SamplingParams()
 PROMPT = [3, 9, 4, 1, 12, 7, 2, 15, 6, 11, 5, 8, 14, 13, 10, 3, 9]
 OTHER = [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13]
-KINDS = ("oracle", "mlx-llama", "mlx-gemma3_text", "mlx-qwen3_5", "mlx-llama-q8")
+KINDS = ("oracle", *(f"mlx-{f}" for f in FAMILIES), "mlx-llama-q8")
+
+
+def state_kind(kind: str) -> str:
+    """The cut rule of a target kind (tests/fakes/tiny_models.STATE); the oracle and q8 cut like plain KV."""
+    return STATE.get(kind.removeprefix("mlx-"), "kv")
 
 
 def make(kind: str):
@@ -86,9 +91,7 @@ def test_a_state_cut_shorter_loads_only_where_the_cut_is_exact(kind, keep):
     target.prefill(PROMPT, GREEDY, 0.5)
     state = target.save_state()
     kept = target.load_state(state, keep)
-    exact = kind in ("oracle", "mlx-llama", "mlx-llama-q8") or (
-        kind == "mlx-gemma3_text" and len(PROMPT) <= GEMMA_WINDOW
-    )
+    exact = state_kind(kind) == "kv" or (state_kind(kind) == "window" and len(PROMPT) <= GEMMA_WINDOW)
     assert kept == (keep if exact else 0)
     assert kept == keep or state.min_length > keep
     assert target.cached_tokens == kept
@@ -102,9 +105,9 @@ def test_min_length_says_where_a_state_can_be_cut(kind):
     short = target.save_state()
     target.prefill(PROMPT[6:], GREEDY, 0.5)
     long = target.save_state()
-    if kind == "mlx-qwen3_5":
+    if state_kind(kind) == "recurrent":
         assert (short.min_length, long.min_length) == (6, len(PROMPT))
-    elif kind == "mlx-gemma3_text":  # within the window any cut is exact; past it, none
+    elif state_kind(kind) == "window":  # within the window any cut is exact; past it, none
         assert short.min_length == 0 and long.min_length == len(PROMPT)
     else:
         assert short.min_length == long.min_length == 0

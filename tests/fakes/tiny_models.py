@@ -16,8 +16,26 @@ from mlx.utils import tree_flatten, tree_unflatten
 VOCAB = 192
 HIDDEN = 64
 GEMMA_WINDOW = 8
+EMBED_GAIN = 0.25
 
-FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_moe")
+# The seed families (README's family table), each in its published layout's structure at tiny sizes.
+SEED_FAMILIES = ("gemma4_text", "lfm2", "muse_glimmer", "minicpm", "nemotron_h", "qwen3_next")
+FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_moe", *SEED_FAMILIES)
+# How each family's cache can be cut back: "kv" anywhere; "window" (sliding layers) only within the window;
+# "recurrent" (DeltaNet, short-conv, Mamba state) never, so rollback restores a snapshot or re-runs.
+STATE = {
+    "llama": "kv",
+    "qwen3": "kv",
+    "qwen3_moe": "kv",
+    "minicpm": "kv",
+    "gemma3_text": "window",
+    "gemma4_text": "window",
+    "muse_glimmer": "window",
+    "qwen3_5": "recurrent",
+    "qwen3_next": "recurrent",
+    "lfm2": "recurrent",
+    "nemotron_h": "recurrent",
+}
 
 _COMMON: dict[str, Any] = {
     "hidden_size": HIDDEN,
@@ -76,7 +94,119 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "norm_topk_prob": True,
     },
+    # Gemma-4 E-series: sliding/global pattern with wider global heads, per-layer input embeddings, the last
+    # layers reusing earlier layers' KV (num_kv_shared_layers), double-wide MLPs there, a final softcap.
+    "gemma4_text": {
+        **_COMMON,
+        "num_hidden_layers": 6,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_key_value_heads": 1,
+        "sliding_window": GEMMA_WINDOW,
+        "sliding_window_pattern": 3,  # layers 2, 5 are global
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+        "final_logit_softcapping": 30.0,
+    },
+    # LFM2: short-convolution blocks with attention at a few depths (1.2B: 16 layers, 6 attention).
+    "lfm2": {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": HIDDEN,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": True,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "rope_theta": 1000000.0,
+    },
+    # Muse-Glimmer: three local (sliding) layers per global one, centered norms, output multiplier and softcap.
+    "muse_glimmer": {
+        **_COMMON,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "sliding_window": GEMMA_WINDOW,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "tie_word_embeddings": False,
+    },
+    # MiniCPM: muP-style scaled embeddings, depth-scaled residuals, logits divided by hidden / dim_model_base.
+    "minicpm": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "dim_model_base": 16,
+        "scale_depth": 1.4,
+        "scale_emb": 12.0,
+        "tie_word_embeddings": False,
+    },
+    # Nemotron-H: Mamba-2 blocks, MLPs and a few attention layers, and routed experts (Nemotron-3 Nano's MoE).
+    "nemotron_h": {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "n_groups": 2,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": ["M", "E", "*", "-", "M", "E"],
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        "n_group": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+    },
+    # Qwen3-Next: gated DeltaNet with attention every fourth layer (here every second), routed + shared experts.
+    "qwen3_next": {
+        **_COMMON,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "full_attention_interval": 2,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "norm_topk_prob": True,
+    },
 }
+
+
+def _gain(family: str, name: str) -> float:
+    # Gemma-4 post-norms every block's output, so a x2.5 table scaled by sqrt(H) would drown the layers
+    # and the tied head would echo the input token; a smaller table keeps the layers in charge.
+    if family == "gemma4_text" and "embed_tokens" in name:
+        return EMBED_GAIN
+    return 2.5
 
 
 def tiny_model(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
@@ -95,7 +225,7 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     mx.random.seed(seed)
     model = module.Model(args)
     # Wider weights give sharper, input-dependent logits; norms (1-D) stay as they are.
-    params = [(k, v * 2.5 if v.ndim >= 2 else v) for k, v in tree_flatten(model.parameters())]
+    params = [(k, v * _gain(family, k) if v.ndim >= 2 else v) for k, v in tree_flatten(model.parameters())]
     model.update(tree_unflatten(params))
     model.eval()
     mx.eval(model.parameters())

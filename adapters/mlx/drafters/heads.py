@@ -20,7 +20,7 @@ def target_embedding(target_model: nn.Module, scale: float | None) -> ArrayFn:
     """The target's token embedding; an explicit `scale` from the drafter config replaces the family's."""
     if scale is None:
         return lambda ids: model_parts.embed(target_model, ids)
-    decoder_embed = model_parts._decoder(target_model).embed_tokens
+    decoder_embed = model_parts.embedding(target_model)
     return lambda ids: decoder_embed(ids) * scale
 
 

@@ -43,7 +43,7 @@ def capture(
         if i in wanted:
             found[i] = h
     feats = mx.concatenate([found[i].astype(mx.float32) for i in layer_ids], axis=-1)
-    last = decoder.norm(h) if final else None
+    last = model_parts.final_norm(model)(h) if final else None
     return mx.stop_gradient(feats), None if last is None else mx.stop_gradient(last)
 
 

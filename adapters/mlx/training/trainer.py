@@ -141,7 +141,7 @@ def build_drafter(plan: Any, model: nn.Module, draft_ids: np.ndarray | None) -> 
         drafter.lm_head.freeze()
     # A copy, never the target's own array (a float32 target's astype returns it): a compiled step takes the
     # drafter's weights as inputs and the target's as constants, and one array cannot be both.
-    drafter.norm.weight = mx.array(np.array(model_parts._decoder(model).norm.weight.astype(mx.float32)))
+    drafter.norm.weight = mx.array(np.array(model_parts.final_norm(model).weight.astype(mx.float32)))
     drafter.set_dtype(mx.float32)
     mx.eval(drafter.parameters())
     return drafter, config
@@ -410,7 +410,7 @@ class MlxDrafterTrainer:
             "num_layers": model_parts.num_layers(model),
             "hidden_size": model_parts.hidden_size(model),
             "vocab_size": model_parts.vocab_size(model),
-            "embedding_rows": int(model_parts._decoder(model).embed_tokens.weight.shape[0]),
+            "embedding_rows": int(model_parts.embedding(model).weight.shape[0]),
             "device": str(mx.default_device()),
         }
 

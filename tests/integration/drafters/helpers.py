@@ -103,8 +103,8 @@ def target_forward(model: Any, tokens: Sequence[int], layer_ids: Sequence[int] =
 def bigram_table(model: Any) -> np.ndarray:
     """[V, V] target logits for every one-token context (row = previous token)."""
     v = model_parts.vocab_size(model)
-    rows = [np.array(target_forward(model, [t])[0][-1]) for t in range(v)]
-    return np.stack(rows)
+    # The model's own forward over V one-token rows: every family's layers, embedding scale and head.
+    return np.array(model(mx.arange(v)[:, None])[:, -1].astype(mx.float32))
 
 
 # ---------------------------------------------------------------- checkpoint writers
@@ -213,14 +213,16 @@ def dspark_head_tensors(
     draft_ids: Sequence[int] | None = None,
     confidence_bias: bool = True,
     markov_strength: float = 1.0,
+    bigrams: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Markov + confidence heads. With `markov_strength` > 0, w1/w2 encode the target's bigram table (rank
-    = V), so drafts are often right and the round loop gets exercised past slot 0."""
+    """Markov + confidence heads. With `markov_strength` > 0, w1/w2 encode a bigram table (rank = V): the
+    target's one-token logits, or `bigrams` [prev, next] when given, so drafts are often right and the round
+    loop gets exercised past slot 0."""
     v = model_parts.vocab_size(target)
     vd = v if draft_ids is None else len(draft_ids)
     if markov_strength > 0:
         assert rank == v
-        table = bigram_table(target)  # [prev, next]
+        table = bigram_table(target) if bigrams is None else bigrams  # [prev, next]
         cols = table if draft_ids is None else table[:, list(draft_ids)]
         w1 = np.eye(v, dtype=np.float32)
         w2 = (markov_strength * cols.T).astype(np.float32)  # [vd, r=v]
@@ -251,6 +253,7 @@ def write_dspark(
     first_slot: int | None = None,
     confidence_bias: bool = True,
     num_target_layers: int = LAYERS,
+    bigrams: np.ndarray | None = None,
 ) -> Path:
     """A DSpark checkpoint in one packaging: "deepspec" (Qwen3DSparkModel, own embed/head), "speculators"
     (speculators_config, reduced draft vocab + d2t when `draft_vocab`), "specforge" (dflash_config with
@@ -270,10 +273,11 @@ def write_dspark(
             draft_ids=draft_ids,
             confidence_bias=confidence_bias,
             markov_strength=markov_strength,
+            bigrams=bigrams,
         )
     )
     # Base logits are kept small next to the Markov bias so drafts follow the bigram table.
-    embed = np.array(model_parts._decoder(target).embed_tokens.weight)
+    embed = np.array(model_parts.embedding(target).weight)
     head = head_weight(target) * (0.2 if markov_strength > 0 else 1.0)
     markov = {"markov_rank": rank, "markov_head_type": "vanilla"}
     conf = {"enable_confidence_head": True, "confidence_head_with_markov": True}
@@ -347,5 +351,5 @@ def write_dspark(
 def head_weight(target: Any) -> np.ndarray:
     """The target's LM head matrix [V, H] (the embedding when tied)."""
     owner = model_parts._owner(target)
-    w = owner.lm_head.weight if "lm_head" in owner else model_parts._decoder(target).embed_tokens.weight
+    w = owner.lm_head.weight if "lm_head" in owner else model_parts.embedding(target).weight
     return np.array(w.astype(mx.float32))

@@ -26,6 +26,7 @@ from mlx_dspark.adapters.mlx.drafters import (
 from mlx_dspark.domain.drafting.block import DraftContext
 from mlx_dspark.domain.errors import IncompatibleDrafter, ModelUnavailable
 from mlx_dspark.domain.tokens import SamplingParams
+from tests.fakes import tiny_models
 from tests.integration.drafters import helpers
 
 
@@ -76,11 +77,19 @@ def test_every_format_loads_and_configures_capture(tmp_path: Path, qwen3_target:
         ("dflash", helpers.write_dflash(tmp_path / "v2", variant="v2", layer_ids=(0, 2, 4)), DFlashDraftSource, 5),
         ("dflash", helpers.write_dflash(tmp_path / "sl", variant="sliding"), DFlashDraftSource, 5),
         ("dspark", helpers.write_dspark(tmp_path / "ds", qwen3_target), DSparkDraftSource, 5),
-        ("dspark", helpers.write_dspark(tmp_path / "sp", qwen3_target, packaging="speculators", draft_vocab=64),
-         DSparkDraftSource, 5),
+        (
+            "dspark",
+            helpers.write_dspark(tmp_path / "sp", qwen3_target, packaging="speculators", draft_vocab=64),
+            DSparkDraftSource,
+            5,
+        ),
         ("dspark", helpers.write_dspark(tmp_path / "sf", qwen3_target, packaging="specforge"), DSparkDraftSource, 5),
-        ("dspark", helpers.write_dspark(tmp_path / "s1", qwen3_target, packaging="speculators", first_slot=1),
-         DSparkDraftSource, 4),
+        (
+            "dspark",
+            helpers.write_dspark(tmp_path / "s1", qwen3_target, packaging="speculators", first_slot=1),
+            DSparkDraftSource,
+            4,
+        ),
     ]
     for kind, path, cls, max_block in cases:
         recorder = RecordingTarget()
@@ -165,8 +174,14 @@ def test_drafters_that_do_not_fit_the_target_are_refused(tmp_path: Path, qwen3_t
 
     narrow = llama.Model(
         llama.ModelArgs(
-            model_type="llama", hidden_size=32, num_hidden_layers=6, intermediate_size=64, num_attention_heads=2,
-            rms_norm_eps=1e-6, vocab_size=128, tie_word_embeddings=False,
+            model_type="llama",
+            hidden_size=32,
+            num_hidden_layers=6,
+            intermediate_size=64,
+            num_attention_heads=2,
+            rms_norm_eps=1e-6,
+            vocab_size=128,
+            tie_word_embeddings=False,
         )
     )
     with pytest.raises(IncompatibleDrafter, match="width 64, the target's is 32"):
@@ -198,9 +213,12 @@ def test_unsupported_variants_are_refused_with_a_clear_message(tmp_path: Path, q
         load_drafter("dflash", str(tmp_path / "nowhere"), qwen3_target)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_moe"])
+# Each family's factor on token embeddings: sqrt(64) for Gemma (3 rounds it through bf16), MiniCPM's scale_emb.
+EMBED_SCALES = {"gemma3_text": 8.0, "gemma4_text": 8.0, "minicpm": 12.0}
+
+
+@pytest.mark.parametrize("family", tiny_models.FAMILIES)
 def test_model_parts_reproduce_the_target_logits(family: str) -> None:
-    tiny_models = pytest.importorskip("tests.fakes.tiny_models")
     model = tiny_models.tiny_model(family, 0)
     ids = mx.array([[3, 1, 4, 1, 5]])
     decoder = model_parts._decoder(model)
@@ -209,8 +227,8 @@ def test_model_parts_reproduce_the_target_logits(family: str) -> None:
     assert model_parts.hidden_size(model) == tiny_models.HIDDEN
     assert model_parts.vocab_size(model) == tiny_models.VOCAB
     assert model_parts.num_layers(model) == len(decoder.layers)
-    raw = decoder.embed_tokens(ids)
-    expected_scale = 8.0 if family == "gemma3_text" else 1.0  # sqrt(64), rounded through bf16
+    raw = model_parts.embedding(model)(ids)
+    expected_scale = EMBED_SCALES.get(family, 1.0)
     np.testing.assert_allclose(np.array(model_parts.embed(model, ids)), np.array(raw) * expected_scale, rtol=1e-6)
 
 
@@ -240,8 +258,16 @@ def microbenchmark() -> dict[str, float]:
     from mlx_dspark.adapters.mlx.drafters.config import BackboneConfig
 
     cfg = BackboneConfig(
-        hidden_size=1024, target_hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=128,
-        intermediate_size=3072, target_layer_ids=(1, 2, 3), block_size=7, mask_token_id=0,
+        hidden_size=1024,
+        target_hidden_size=1024,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=3072,
+        target_layer_ids=(1, 2, 3),
+        block_size=7,
+        mask_token_id=0,
         layer_types=("full_attention",) * 2,
     )
     out = {}
@@ -294,8 +320,15 @@ def test_the_confidence_threshold_setting_reaches_dspark_and_spares_dflash(tmp_p
     from mlx_dspark.application.settings import ModelSettings
     from mlx_dspark.domain.model import LoadedModel
 
-    model = LoadedModel(name="tiny", identity="tiny@test", target=MlxTargetModel(qwen3_target), tokenizer=None,
-                        context_window=256, family="qwen3", handle=qwen3_target)
+    model = LoadedModel(
+        name="tiny",
+        identity="tiny@test",
+        target=MlxTargetModel(qwen3_target),
+        tokenizer=None,
+        context_window=256,
+        family="qwen3",
+        handle=qwen3_target,
+    )
     loader = HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"), confidence_threshold=0.4))
     dspark = loader.load_drafter("dspark", str(helpers.write_dspark(tmp_path / "ds", qwen3_target)), model, bits=0)
     assert dspark.confidence_threshold == 0.4

@@ -14,8 +14,10 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
+from mlx_dspark.adapters.mlx.acceptance import pick_token
 from mlx_dspark.adapters.mlx.batched_target import batch_backend
 from mlx_dspark.adapters.mlx.rows import mlx_rows
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
@@ -41,7 +43,7 @@ from mlx_dspark.domain.events import BatchStepped
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
-from tests.fakes.tiny_models import VOCAB, tiny_model
+from tests.fakes.tiny_models import FAMILIES, STATE, VOCAB, tiny_model
 
 EOS = 7
 
@@ -156,23 +158,60 @@ def solo(family: str, request: GenerationRequest) -> tuple[tuple[int, ...], Fini
     return result.token_ids, result.finish_reason
 
 
-# Dense (llama, an MoE), sliding windows of 8 tokens beside global layers (gemma3: the rows' rings wrap at
-# different phases) and hybrid recurrent (qwen3_5: gated DeltaNet state beside attention).
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text", "qwen3_5"])
+# Every family: dense and MoE, sliding windows of 8 tokens beside global layers (the rows' rings wrap at
+# different phases) and hybrid recurrent (gated DeltaNet, short-conv or Mamba state beside attention).
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int) -> None:
+def test_batched_rows_equal_solo_decoding(family: str, sampled: bool, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    draws = record_draws(monkeypatch)
     reqs = requests(n, sampled=sampled, seed=n)
     jobs = [Job(r) for r in reqs]
     scheduler = run_batched(service(family), jobs, max_batch=8, join_every=3)
+    batched = dict(draws)
     for job, req in zip(jobs, reqs):
         assert job.ended == "end", job.error
         tokens, reason = solo(family, req)
-        assert job.tokens() == tokens
+        if job.tokens() != tokens:
+            assert_rounding_near_tie(family, req, job.tokens(), batched, draws)
+            continue
         assert job.result().finish_reason is reason
-    if n > 1:
+    first, later = (len(solo(family, r)[0]) for r in reqs[:2]) if n > 1 else (0, 0)
+    if first > 4 and later > 1:  # the second request joined while the first still ran (not cut by EOS)
         assert scheduler.widest > 1  # rows really shared forwards
         assert scheduler.migrations >= 1  # the first row started solo and moved into the batch
+
+
+def record_draws(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, mx.array]]:
+    """Every token draw, solo and batched, as (uniform, the logits it was drawn from), in order."""
+    from mlx_dspark.adapters.mlx import batched_target, target
+
+    draws: list[tuple[float, mx.array]] = []
+
+    def spy(logits: mx.array, sampling: SamplingParams, uniform: float) -> mx.array:
+        draws.append((float(uniform), logits))
+        return pick_token(logits, sampling, uniform)
+
+    monkeypatch.setattr(batched_target, "pick_token", spy)
+    monkeypatch.setattr(target, "pick_token", spy)
+    return draws
+
+
+def assert_rounding_near_tie(
+    family: str, req: GenerationRequest, got: tuple[int, ...], batched: dict[float, mx.array], draws: list
+) -> None:
+    """A sampled batched row may part from solo decoding only where its draw saw the solo logits up to float
+    noise (the fast BLAS sums a [B, n] GEMM in another order than a one-row one) and the uniform fell at a
+    boundary they move: a top-p cut or a CDF step. A stale row or a wrong mask moves logits by whole units."""
+    assert not req.sampling.greedy, "greedy batched rows must equal solo decoding"
+    want = solo(family, req)[0]
+    k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    draws.clear()
+    solo.__wrapped__(family, req)  # the solo draws again, recorded
+    uniform, logits = draws[k]
+    assert uniform in batched, "the batched row drew token k with another uniform"
+    gap = mx.abs(logits.astype(mx.float32) - batched[uniform].astype(mx.float32)).max().item()
+    assert gap < 1e-4, f"token {k}: the batched logits differ from solo by {gap} (not float noise)"
 
 
 def test_every_tick_reports_its_width_to_telemetry_and_the_drained_batch_reports_zero() -> None:
@@ -263,7 +302,7 @@ def test_a_failing_row_does_not_disturb_the_others() -> None:
         assert job.tokens() == solo("llama", req)[0]
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if STATE[f] != "kv"])
 def test_sliding_window_and_recurrent_targets_batch_plain_decoding_only(family: str) -> None:
     # A ring or a recurrent state cannot roll one row back, so speculative modes over them are served one at a
     # time.

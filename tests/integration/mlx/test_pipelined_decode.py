@@ -19,7 +19,7 @@ from mlx_dspark.domain.drafting.block import EMPTY_BLOCK
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from tests.fakes.clock import FakeClock
-from tests.fakes.tiny_models import tiny_model
+from tests.fakes.tiny_models import FAMILIES, tiny_model
 
 PROMPT = [3, 17, 99, 5, 42, 7, 1, 150]
 SAMPLINGS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.9, top_p=0.95, seed=7)}
@@ -39,7 +39,7 @@ def tokens(target: MlxTargetModel, prompt: list[int], sampling: SamplingParams, 
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_closing_mid_pipeline_leaves_the_cache_exact(family: str, sampling: str) -> None:
     params = SAMPLINGS[sampling]
     target = MlxTargetModel(model(family))
@@ -61,7 +61,7 @@ def test_closing_mid_pipeline_leaves_the_cache_exact(family: str, sampling: str)
     assert reused == tokens(MlxTargetModel(model(family)), follow, params, 12)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_pipelined_plain_decoding_equals_unpipelined(family: str) -> None:
     """Same uniforms in the same order: the queued path and a step-by-step target agree token for token."""
     params = SAMPLINGS["sampled"]

@@ -20,7 +20,7 @@ from mlx_dspark.application.generation import GenerationRequest, GenerationResul
 from mlx_dspark.application.ports import LoadedModel
 from mlx_dspark.application.prefix_cache import PrefixCache
 from tests.fakes.clock import FakeClock, RecordingTelemetrySink
-from tests.fakes.tiny_models import GEMMA_WINDOW, VOCAB, tiny_model
+from tests.fakes.tiny_models import FAMILIES, GEMMA_WINDOW, VOCAB, tiny_model
 from tests.integration.drafters import helpers
 
 
@@ -50,10 +50,17 @@ def generator(family: str, cache: PrefixCache | None, source=None, model=None) -
     target = MlxTargetModel(model)
     if source is not None:
         target.configure_capture(tuple(source.target_layer_ids))
-    loaded = LoadedModel(name=family, identity=f"{family}@11", target=target, tokenizer=IdTokenizer(VOCAB),
-                         context_window=4096, family=family)
-    return GenerationService(loaded, source=source, mode="test", clock=FakeClock(), telemetry=RecordingTelemetrySink(),
-                     prefix_cache=cache)
+    loaded = LoadedModel(
+        name=family,
+        identity=f"{family}@11",
+        target=target,
+        tokenizer=IdTokenizer(VOCAB),
+        context_window=4096,
+        family=family,
+    )
+    return GenerationService(
+        loaded, source=source, mode="test", clock=FakeClock(), telemetry=RecordingTelemetrySink(), prefix_cache=cache
+    )
 
 
 def run(gen: GenerationService, prompt: list[int], n: int, boundaries=()) -> GenerationResult:
@@ -115,7 +122,7 @@ def test_recurrent_conversation_trees(steps):
 def test_each_cache_kind_resumes_a_second_turn_from_its_snapshot():
     system = [(7 * i) % VOCAB for i in range(3 * GEMMA_WINDOW)]  # longer than the window
     user1, reply_tail, user2 = [5, 6, 7, 8], [9, 9], [40, 41, 42]
-    for family in ("llama", "gemma3_text", "qwen3_5"):
+    for family in FAMILIES:
         gen = generator(family, PrefixCache(10**9))
         turn1 = run(gen, [*system, *user1, 1], 4, boundaries=[len(system), len(system) + len(user1)])
         run(gen, [3, 3, 3], 2)  # a side request in between

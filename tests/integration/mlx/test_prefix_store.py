@@ -12,7 +12,7 @@ from mlx_dspark.adapters.mlx.prefix_store import SafetensorsPrefixStore
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.prefix_cache import PrefixCache
 from mlx_dspark.domain.tokens import SamplingParams
-from tests.fakes.tiny_models import tiny_model
+from tests.fakes.tiny_models import FAMILIES, tiny_model
 
 GREEDY = SamplingParams()
 PROMPT = [3, 9, 4, 1, 12, 7, 2, 15, 6, 11, 5, 8, 14, 13, 10, 3, 9, 21, 33]
@@ -29,7 +29,7 @@ def make(kind: str) -> MlxTargetModel:
     return MlxTargetModel(_model(kind), capture_layers=(-1, 1))
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-q8", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama-q8", *FAMILIES])
 def test_a_state_survives_the_disk_and_a_restart(tmp_path, kind):
     target = make(kind)
     target.prefill(PROMPT, GREEDY, 0.5)

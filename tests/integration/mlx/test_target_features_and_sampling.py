@@ -128,7 +128,7 @@ class ProposalSource:
         return DraftBlock(tokens=tokens, q=mx.array([self.q_row] * cap), source=self.name)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sampled_decoding_is_reproducible_with_a_seed(family):
     sampling = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
     target = MlxTargetModel(model(family))
