@@ -7,6 +7,8 @@ from mlx_dspark.adapters.families.gemma import THINK as GEMMA_THINK
 from mlx_dspark.adapters.families.gemma import Gemma4Codec
 from mlx_dspark.adapters.families.hermes import HermesCodec
 from mlx_dspark.adapters.families.lfm2 import Lfm2Codec
+from mlx_dspark.adapters.families.minicpm import MiniCpm5Codec
+from mlx_dspark.adapters.families.muse import MuseCodec
 from mlx_dspark.adapters.families.qwen_xml import QwenXmlCodec
 
 THINK = ("<think>", "</think>")
@@ -34,6 +36,10 @@ def select_codec(family: str, chat_template: str | None) -> FamilyCodec:
     if "<|tool_call_start|>" in tmpl or fam.startswith("lfm2"):
         # LFM2 templates print only `content` for assistant turns, so earlier calls go in as text
         return Lfm2Codec(native_tools=native, think=think, calls_in_content=True)
+    if '<function name="' in tmpl and '<param name="' in tmpl:
+        return MiniCpm5Codec(native_tools=native, think=think)
+    if "<atem:function_calls>" in tmpl:
+        return MuseCodec(native_tools=native, think=think)
     if "<tool_call>" in tmpl:
         return HermesCodec(native_tools=native, think=think)
     return HermesCodec(native_tools=False, think=think)

@@ -3,6 +3,7 @@ of recorded outputs in random chunkings (the events must not depend on where chu
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -11,6 +12,8 @@ from mlx_dspark.adapters.families import select_codec
 from mlx_dspark.adapters.families.gemma import Gemma4Codec
 from mlx_dspark.adapters.families.hermes import HermesCodec
 from mlx_dspark.adapters.families.lfm2 import Lfm2Codec
+from mlx_dspark.adapters.families.minicpm import MiniCpm5Codec
+from mlx_dspark.adapters.families.muse import MuseCodec
 from mlx_dspark.adapters.families.qwen_xml import QwenXmlCodec
 from mlx_dspark.domain.chat import (
     ChatEvent,
@@ -49,6 +52,22 @@ LFM2 = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
     "{# <|tool_call_start|> #}"
 )
+MINICPM5 = (
+    '{% if tools %}<tools>{% for t in tools %}<function name="{{ t.function.name }}">{% for k in '
+    't.function.parameters.properties %}<param name="{{ k }}"/>{% endfor %}</function>{% endfor %}</tools>\n'
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    '{% for c in m.tool_calls or [] %}<function name="{{ c.function.name }}">'
+    '{% for k, v in c.function.arguments.items() %}<param name="{{ k }}">{{ v }}</param>{% endfor %}</function>'
+    "{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n<think>\n"
+)
+MUSE = (
+    "{% if tools %}<atem:tools>{{ tools | tojson }}</atem:tools>\n{% endif %}"
+    "{% for m in messages %}<|header_start|>{{ m.role }}<|header_end|>\n{{ m.content }}"
+    '{% for c in m.tool_calls or [] %}<atem:function_calls>\n<atem:invoke name="{{ c.function.name }}">\n'
+    '{% for k, v in c.function.arguments.items() %}<atem:parameter name="{{ k }}">{{ v }}</atem:parameter>\n'
+    "{% endfor %}</atem:invoke>\n</atem:function_calls>{% endfor %}<|eot|>{% endfor %}"
+    "<|header_start|>assistant<|header_end|>\n"
+)
 GEMMA3 = (
     "{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
     "<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
@@ -73,6 +92,11 @@ def test_selection_follows_the_template_not_the_output() -> None:
     assert isinstance(select_codec("qwen3_5", QWEN_XML), QwenXmlCodec)
     assert isinstance(select_codec("gemma4", GEMMA4), Gemma4Codec)
     assert isinstance(select_codec("lfm2", LFM2), Lfm2Codec)
+    assert isinstance(select_codec("minicpm", MINICPM5), MiniCpm5Codec)
+    assert select_codec("minicpm", MINICPM5).think == ("<think>", "</think>")
+    assert isinstance(select_codec("muse_glimmer", MUSE), MuseCodec)
+    assert isinstance(select_codec("nemotron_h", QWEN_XML.replace("[assistant]<think>", "[assistant]")), QwenXmlCodec)
+    assert not isinstance(select_codec("muse_glimmer", PLAIN_CHATML), MuseCodec)  # no markers: the text fallback
     fallback = select_codec("llama", PLAIN_CHATML)  # SmolLM2-style template without tool support
     assert isinstance(fallback, HermesCodec) and not fallback.native_tools and fallback.think is None
     assert not select_codec("gemma3", GEMMA3).native_tools
@@ -116,6 +140,11 @@ def test_render_other_families() -> None:
     assert "<|tools>1 tools<tools|>" in g.text
     lfm = select_codec("lfm2", LFM2).render(FakeTokenizer(LFM2), HISTORY, thinking=None)
     assert "<|tool_call_start|>[shell(command='ls')]<|tool_call_end|>" in lfm.text  # calls go in as text
+    mc = select_codec("minicpm", MINICPM5).render(FakeTokenizer(MINICPM5), HISTORY, thinking=True)
+    assert '<function name="shell"><param name="command">ls</param></function>' in mc.text
+    assert mc.starts_in_thinking
+    mu = select_codec("muse_glimmer", MUSE).render(FakeTokenizer(MUSE), HISTORY, thinking=None)
+    assert '<atem:invoke name="shell">\n<atem:parameter name="command">ls</atem:parameter>' in mu.text
     g3 = select_codec("gemma3", GEMMA3).render(FakeTokenizer(GEMMA3), HISTORY, thinking=None)
     assert "<start_of_turn>model\n<tool_call>" in g3.text
 
@@ -196,7 +225,60 @@ RECORDED = [
             TextDelta("Bye."),
         ],
     ),
+    (
+        "minicpm5",
+        MiniCpm5Codec(native_tools=True, think=("<think>", "</think>")),
+        "Plan.\n</think>\n\nChecking."
+        '<function name="shell"><param name="command"><![CDATA[grep -c "<a>" x &&\nwc -l]]></param>'
+        '<param name="timeout">7</param></function><function name="shell"><param name="command">pwd</param></function>',
+        True,
+        [
+            ReasoningDelta("Plan."),
+            TextDelta("Checking."),
+            *_call(0, '{"command": "grep -c \\"<a>\\" x &&\\nwc -l", "timeout": 7}'),
+            *_call(1, '{"command": "pwd"}'),
+        ],
+    ),
+    (
+        "muse",
+        MuseCodec(native_tools=True),
+        'Two calls.<atem:function_calls>\n<atem:invoke name="shell">\n<atem:parameter name="command">ls "d"'
+        '</atem:parameter>\n<atem:parameter name="timeout">4</atem:parameter>\n</atem:invoke>\n'
+        '<atem:invoke name="shell">\n<atem:parameter name="command">42</atem:parameter>\n</atem:invoke>\n'
+        "</atem:function_calls>",
+        False,
+        [
+            TextDelta("Two calls."),
+            *_call(0, '{"command": "ls \\"d\\"", "timeout": 4}'),
+            *_call(1, '{"command": "42"}'),
+        ],
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        HermesCodec(native_tools=True),
+        QwenXmlCodec(native_tools=True),
+        Gemma4Codec(native_tools=True),
+        Lfm2Codec(native_tools=True),
+        MiniCpm5Codec(native_tools=True),
+        MuseCodec(native_tools=True),
+    ],
+    ids=lambda c: c.name,
+)
+def test_every_codec_reads_back_the_calls_it_writes(codec: object) -> None:
+    """Tool history as the family writes it parses back to the same calls (names, typed arguments)."""
+    calls = [
+        ToolCall(id="a", name="shell", arguments={"command": 'printf "<%s>" a & b\n', "timeout": 3}),
+        ToolCall(id="b", name="shell", arguments={"command": "ls"}),
+    ]
+    text = "".join(codec.format_call(c) for c in calls)  # type: ignore[attr-defined]
+    events = _parse(codec, text, random.Random(codec.name))  # type: ignore[attr-defined]
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert [(e.name, json.loads(e.arguments)) for e in ends] == [(c.name, dict(c.arguments)) for c in calls]
+    assert not [e for e in events if isinstance(e, TextDelta) and e.text.strip()]
 
 
 @pytest.mark.parametrize(("name", "codec", "text", "thinking", "expected"), RECORDED, ids=[r[0] for r in RECORDED])

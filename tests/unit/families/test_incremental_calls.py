@@ -10,6 +10,8 @@ import pytest
 from mlx_dspark.adapters.families.gemma import Gemma4Codec
 from mlx_dspark.adapters.families.hermes import HermesCodec
 from mlx_dspark.adapters.families.lfm2 import Lfm2Codec
+from mlx_dspark.adapters.families.minicpm import MiniCpm5Codec
+from mlx_dspark.adapters.families.muse import MuseCodec
 from mlx_dspark.adapters.families.qwen_xml import QwenXmlCodec
 from mlx_dspark.domain.chat import ChatEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolSpec
 from tests.unit.families.streaming import SHELL, feed_in_chunks
@@ -244,6 +246,16 @@ FAMILIES = [
     ),
     (Gemma4Codec(native_tools=True), '{command:<|"|>ls<|"|>}<tool_call|>', 'shell{command:<|"|>ls<|"|>}<tool_call|>'),
     (Lfm2Codec(native_tools=True), 'command="ls")]<|tool_call_end|>', 'shell(command="ls")]<|tool_call_end|>'),
+    (
+        MiniCpm5Codec(native_tools=True),
+        '<param name="command">ls</param></function>',
+        'shell"><param name="command">ls</param></function>',
+    ),
+    (
+        MuseCodec(native_tools=True),
+        '<atem:parameter name="command">ls</atem:parameter>\n</atem:invoke>\n</atem:function_calls>',
+        'shell">\n<atem:parameter name="command">ls</atem:parameter>\n</atem:invoke>\n</atem:function_calls>',
+    ),
 ]
 
 
