@@ -63,3 +63,4 @@ class RepoFacts:
     weight_bytes: int
     files: Mapping[str, int]  # file name → size
     model_type: str = ""
+    active_weight_bytes: int = 0  # MoE: the weights one token reads (0: dense, all of them)

@@ -70,6 +70,7 @@ def _folder_facts(folder: Path) -> RepoFacts:
         repo_id=str(folder),
         shape=shape,
         weight_bytes=fit.weight_bytes(tensors),
+        active_weight_bytes=fit.active_weight_bytes(tensors, config),
         files=files,
         model_type=str(config.get("model_type") or ""),
     )

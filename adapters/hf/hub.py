@@ -167,6 +167,7 @@ class HfModelHub:
             repo_id=repo_id,
             shape=shape,
             weight_bytes=fit.weight_bytes(tensors),
+            active_weight_bytes=fit.active_weight_bytes(tensors, config),
             files=files,
             model_type=str(config.get("model_type") or ""),
         )

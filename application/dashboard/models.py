@@ -86,6 +86,7 @@ class ModelManager:
             "model_type": facts.model_type,
             "shape": attrs.asdict(facts.shape),
             "weights": facts.weight_bytes,
+            "active_weights": facts.active_weight_bytes or facts.weight_bytes,
             "download_bytes": sum(facts.files.values()),
             "drafter": drafter or "",
             "usable": usable,

@@ -110,3 +110,60 @@ def test_qwen_sliding_window_off_means_full_attention() -> None:
 def test_a_config_without_layer_counts_is_refused() -> None:
     with pytest.raises(ValueError, match="num_hidden_layers"):
         fit.shape_from_config({"model_type": "mystery"})
+
+
+def test_hybrid_ssm_and_shared_kv_layers_count_what_they_cache() -> None:
+    """Published shapes, by hand: only attention layers grow with the context; recurrent layers hold a fixed state."""
+    qwen3_next = {  # Qwen3-Next-80B-A3B: attention every 4th layer, gated DeltaNet elsewhere
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "hidden_size": 2048, "full_attention_interval": 4, "linear_num_value_heads": 32, "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 262144,
+    }  # fmt: skip
+    s = fit.shape_from_config(qwen3_next)
+    assert (s.kv_layers, s.state_layers) == (12, 36)
+    assert fit.kv_cache_bytes(s, 1000) == 12 * 2 * 2 * 256 * 2 * 1000
+    # conv: 3 × (2·16·128 + 32·128) bf16; state: 32 × 128 × 128 float32
+    assert s.state_bytes == 36 * (3 * (2 * 16 * 128 + 32 * 128) * 2 + 32 * 128 * 128 * 4)
+    nemotron = {  # Mamba-2, MLP/MoE and attention blocks by pattern
+        "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_size": 2688, "hybrid_override_pattern": "ME*EM-", "mamba_num_heads": 64, "mamba_head_dim": 64,
+        "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    }  # fmt: skip
+    s = fit.shape_from_config(nemotron)
+    assert (s.kv_layers, s.state_layers) == (1, 2)
+    assert s.state_bytes == 2 * (3 * (64 * 64 + 2 * 8 * 128) * 2 + 64 * 64 * 128 * 4)
+    lfm2 = {
+        "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2048,
+        "layer_types": ["conv", "conv", "full_attention", "conv"], "conv_L_cache": 3,
+    }  # fmt: skip
+    s = fit.shape_from_config(lfm2)
+    assert (s.kv_layers, s.state_layers, s.state_bytes) == (1, 3, 3 * 2 * 2048 * 2)
+    gemma4 = {  # 35 layers, the last 20 read earlier layers' KV; global layers have their own head shape
+        "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+        "global_head_dim": 512, "sliding_window": 512, "sliding_window_pattern": 5, "num_kv_shared_layers": 20,
+        "max_position_embeddings": 131072,
+    }  # fmt: skip
+    s = fit.shape_from_config(gemma4)
+    kinds = fit.layer_kinds(gemma4, 35)
+    assert kinds[:15].count("full") == 3 and kinds[15:] == ["shared"] * 20
+    assert (s.kv_layers, s.sliding_layers) == (15, 12)
+    assert fit.kv_cache_bytes(s, 4096) == 3 * 2 * 512 * 2 * 4096 + 12 * 2 * 256 * 2 * 512
+    row = fit.estimate(s, GIB, 64 * GIB).rows[0]
+    assert row.total == row.weights + row.kv_cache + row.state + row.overhead
+
+
+def test_moe_active_weights_and_ternary_packed_bytes() -> None:
+    tensors = {
+        "model.embed_tokens.weight": ("BF16", (1000, 64)),
+        "model.layers.0.mlp.switch_mlp.gate_proj.weight": ("BF16", (8, 32, 64)),
+        "model.layers.0.mlp.shared_expert.up_proj.weight": ("BF16", (32, 64)),
+        "model.layers.0.mlp.experts.3.down_proj.weight": ("BF16", (64, 32)),
+    }
+    total = fit.weight_bytes(tensors)
+    routed = (8 * 32 * 64 + 64 * 32) * 2
+    assert fit.active_weight_bytes(tensors, {"num_experts": 8, "num_experts_per_tok": 2}) == total - routed + routed // 4
+    assert fit.active_weight_bytes(tensors, {"hidden_size": 64}) == 0  # dense: every weight is read
+    # BitNet ternary: four 2-bit weights per stored byte, plus a scale; counted as stored.
+    packed = {"q_proj.weight": ("U8", (64 // 4, 64)), "q_proj.weight_scale": ("F32", (1,))}
+    assert fit.weight_bytes(packed) == 64 * 64 // 4 + 4

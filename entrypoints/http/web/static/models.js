@@ -38,12 +38,17 @@
     try {
       const r = await api.get(`/ui/api/models/fit?repo=${encodeURIComponent(repo)}&drafter=${encodeURIComponent($("fit-drafter").value.trim())}`);
       const s = r.shape;
-      $("fit-usable").textContent = `${r.model_type || "model"}: ${s.layers} layers, ${s.kv_heads} KV heads × ${s.head_dim}, ` +
-        `${s.bits ? s.bits + "-bit" : (s.dtype || "?")} weights; download ${fmtBytes(r.download_bytes)}; usable memory ${fmtBytes(r.usable.bytes)} (${r.usable.source})`;
+      const kvLayers = s.kv_layers ?? s.layers;
+      const hybrid = s.state_layers ? `, ${s.state_layers} recurrent (state ${fmtBytes(s.state_bytes)})` : "";
+      const moe = r.active_weights < r.weights ? `, ${fmtBytes(r.active_weights)} read per token (MoE)` : "";
+      $("fit-usable").textContent = `${r.model_type || "model"}: ${s.layers} layers (${kvLayers} with KV${hybrid}), ` +
+        `${s.kv_heads} KV heads × ${s.head_dim}, ${s.bits ? s.bits + "-bit" : (s.dtype || "?")} weights${moe}; ` +
+        `download ${fmtBytes(r.download_bytes)}; usable memory ${fmtBytes(r.usable.bytes)} (${r.usable.source})`;
       for (const row of r.rows) {
         body.append(el("tr", {class: "fit-row", "data-verdict": row.verdict},
           el("td", {class: "num"}, row.context.toLocaleString()), el("td", {class: "num"}, fmtBytes(row.weights)),
-          el("td", {class: "num"}, fmtBytes(row.kv_cache)), el("td", {class: "num"}, fmtBytes(row.drafter)),
+          el("td", {class: "num"}, fmtBytes(row.kv_cache) + (row.state ? ` + ${fmtBytes(row.state)} state` : "")),
+          el("td", {class: "num"}, fmtBytes(row.drafter)),
           el("td", {class: "num"}, fmtBytes(row.overhead)), el("td", {class: "num"}, fmtBytes(row.total)),
           el("td", {}, el("span", {class: `badge ${row.verdict}`}, {green: "fits", yellow: "tight", red: "too big"}[row.verdict]))));
       }
