@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import mlx.core as mx
 
 from mlx_dspark.adapters.hf import default_models
 from mlx_dspark.adapters.hf.cache import cache_root
 from mlx_dspark.adapters.hf.gguf import converted_dir
 from mlx_dspark.adapters.hf.resolve import looks_like_path, model_identity, resolve_snapshot
 from mlx_dspark.adapters.hf.tokenizer import HfTokenizer, collect_eos_ids
+from mlx_dspark.adapters.mlx.ternary import portable_ternary
 from mlx_dspark.domain.errors import IncompatibleDrafter, InvalidRequest, ModelUnavailable
 from mlx_dspark.domain.model import LoadedModel, TrainingTarget
 
@@ -63,8 +65,6 @@ class Checkpoint:
     model: Any
     tokenizer: Any
     config: dict[str, Any]
-
-
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -281,6 +281,11 @@ class HfModelLoader:
             model, config = load_model(path, trust_remote_code=self._trust)
         except (ValueError, RuntimeError, FileNotFoundError, KeyError) as exc:
             raise ModelUnavailable(message=f"model {name!r}: mlx-lm cannot load {path}: {exc}") from exc
+        if not mx.metal.is_available():  # BitNet's BitLinear kernel is Metal-only: exact 2-bit layers elsewhere
+            try:
+                portable_ternary(model)
+            except ValueError as exc:
+                raise ModelUnavailable(message=f"model {name!r}: {exc}") from exc
         try:
             extra = {"trust_remote_code": True} if self._trust else None
             tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))

@@ -13,13 +13,21 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_dspark.adapters.mlx.ternary import portable_ternary
+
 VOCAB = 192
 HIDDEN = 64
 GEMMA_WINDOW = 8
 EMBED_GAIN = 0.25
 
 # The seed families (README's family table), each in its published layout's structure at tiny sizes.
-SEED_FAMILIES = ("gemma4_text", "lfm2", "muse_glimmer", "minicpm", "nemotron_h", "qwen3_next")
+# "qwen3_ternary" is a Qwen3 with ternary weights in MLX's 2-bit format (PrismML's Ternary Bonsai layout).
+SEED_FAMILIES = (
+    "gemma4_text", "lfm2", "muse_glimmer", "minicpm", "nemotron_h", "qwen3_next", "qwen3_ternary", "bitnet",
+)  # fmt: skip
+TERNARY_GROUP = 32
+MODEL_TYPE = {"qwen3_ternary": "qwen3"}  # families that are another model type's layout
+QUANTIZED = ("qwen3_ternary", "bitnet")  # projections are QuantizedLinear (no dense twin, no row products)
 FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_moe", *SEED_FAMILIES)
 # How each family's cache can be cut back: "kv" anywhere; "window" (sliding layers) only within the window;
 # "recurrent" (DeltaNet, short-conv, Mamba state) never, so rollback restores a snapshot or re-runs.
@@ -33,6 +41,8 @@ STATE = {
     "muse_glimmer": "window",
     "qwen3_5": "recurrent",
     "qwen3_next": "recurrent",
+    "qwen3_ternary": "kv",
+    "bitnet": "kv",
     "lfm2": "recurrent",
     "nemotron_h": "recurrent",
 }
@@ -200,6 +210,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+CONFIGS["qwen3_ternary"] = {**CONFIGS["qwen3"], "quantization": {"group_size": TERNARY_GROUP, "bits": 2}}
+# BitNet b1.58 (microsoft/bitnet-b1.58-2B-4T's layout): BitLinear projections, packed 4 ternary weights a byte.
+CONFIGS["bitnet"] = {
+    **_COMMON,
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+    "hidden_act": "relu2",
+    "quantization_config": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"},
+}
+
+
+def hf_config(family: str) -> dict[str, Any]:
+    """The family's config.json as published: its model_type and (for the ternary row) its quantization."""
+    return {"model_type": MODEL_TYPE.get(family, family), **CONFIGS[family]}
+
 
 def _gain(family: str, name: str) -> float:
     # Gemma-4 post-norms every block's output, so a x2.5 table scaled by sqrt(H) would drown the layers
@@ -209,24 +235,65 @@ def _gain(family: str, name: str) -> float:
     return 2.5
 
 
-def tiny_model(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
+def tiny_model(family: str, seed: int = 0, *, portable: bool = True, **overrides: Any) -> nn.Module:
     """A freshly initialized tiny mlx-lm model of `family` (float32, eval mode).
 
     Args:
         family: one of FAMILIES (an mlx-lm `model_type`).
         seed: the MLX random seed used for the weights.
+        portable: BitNet's BitLinears as exact 2-bit layers off Metal (as the loader does); False keeps the
+            published packing (for writing a checkpoint).
         **overrides: config fields to change (e.g. head_dim=32 for 32-wide KV quantization groups).
 
     Returns:
         The mlx-lm `Model`, ready for `make_prompt_cache` and generation.
     """
-    module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs.from_dict({"model_type": family, **CONFIGS[family], **overrides})
+    kind = MODEL_TYPE.get(family, family)
+    module = importlib.import_module(f"mlx_lm.models.{kind}")
+    args = module.ModelArgs.from_dict({"model_type": kind, **CONFIGS[family], **overrides})
     mx.random.seed(seed)
     model = module.Model(args)
     # Wider weights give sharper, input-dependent logits; norms (1-D) stay as they are.
-    params = [(k, v * _gain(family, k) if v.ndim >= 2 else v) for k, v in tree_flatten(model.parameters())]
-    model.update(tree_unflatten(params))
+    floats = [(k, v) for k, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    model.update(tree_unflatten([(k, v * _gain(family, k) if v.ndim >= 2 else v) for k, v in floats]))
+    if kind == "bitnet":
+        _random_bitlinears(model)
+        if portable and not mx.metal.is_available():  # as the loader does: BitLinear's kernel is Metal-only
+            portable_ternary(model)
+    if family == "qwen3_ternary":
+        ternarize(model, TERNARY_GROUP)
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def _random_bitlinears(model: nn.Module) -> None:
+    """Random ternary codes in every BitLinear (2 bits each, 4 a byte) and a per-layer scale near 1/sqrt(in)."""
+    from mlx_lm.models.bitlinear_layers import BitLinear
+
+    for _, mod in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(mod, BitLinear):
+            fields = mx.random.randint(0, 3, (4, *mod.weight.shape)).astype(mx.uint8)
+            mod.weight = sum((fields[k] << (2 * k) for k in range(4)), mx.zeros(mod.weight.shape, mx.uint8))
+            mod.weight_scale = mx.array([2.5 / mod.in_features**0.5])
+
+
+def ternarize(model: nn.Module, group: int) -> None:
+    """Every projection of the decoder layers becomes a 2-bit QuantizedLinear holding exact ternary weights:
+    codes {0, 1, 2} with scale s and bias -s per group give {-s, 0, +s}. BitNet b1.58's absmean rule:
+    s = the group's mean |w|, each weight round(clip(w / s, -1, 1))."""
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in list(parent.children().items()):
+                if not isinstance(mod, nn.Linear):
+                    continue
+                w = mod.weight
+                out_dim, in_dim = w.shape
+                grouped = w.reshape(out_dim, in_dim // group, group)
+                s = mx.abs(grouped).mean(axis=-1)
+                codes = mx.where(mx.abs(grouped) > 0.5 * s[..., None], mx.sign(grouped), 0) + 1
+                codes = codes.astype(mx.uint32).reshape(out_dim, in_dim // 16, 16)
+                q = nn.QuantizedLinear(in_dim, out_dim, bias=False, group_size=group, bits=2)
+                q.weight = (codes << (2 * mx.arange(16, dtype=mx.uint32))).sum(axis=-1).astype(mx.uint32)
+                q.scales, q.biases = s, -s
+                setattr(parent, name, q)

@@ -162,7 +162,9 @@ def test_moe_active_weights_and_ternary_packed_bytes() -> None:
     }
     total = fit.weight_bytes(tensors)
     routed = (8 * 32 * 64 + 64 * 32) * 2
-    assert fit.active_weight_bytes(tensors, {"num_experts": 8, "num_experts_per_tok": 2}) == total - routed + routed // 4
+    assert (
+        fit.active_weight_bytes(tensors, {"num_experts": 8, "num_experts_per_tok": 2}) == total - routed + routed // 4
+    )
     assert fit.active_weight_bytes(tensors, {"hidden_size": 64}) == 0  # dense: every weight is read
     # BitNet ternary: four 2-bit weights per stored byte, plus a scale; counted as stored.
     packed = {"q_proj.weight": ("U8", (64 // 4, 64)), "q_proj.weight_scale": ("F32", (1,))}

@@ -9,12 +9,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_dspark.domain import fit
-from tests.fakes.tiny_models import CONFIGS, FAMILIES, tiny_model
+from tests.fakes.tiny_models import FAMILIES, hf_config, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_shape_counts_the_caches_the_model_makes(family: str) -> None:
-    config = {"model_type": family, **CONFIGS[family]}
+    config = hf_config(family)
     shape = fit.shape_from_config(config)
     model = tiny_model(family, seed=0)
     caches = make_prompt_cache(model)

@@ -22,16 +22,20 @@ import pytest
 from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.application.generation import GenerationService
 from mlx_dspark.application.prefix_cache import PrefixCache
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.errors import IncompatibleDrafter
+from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 from mlx_dspark.domain.verification.distribution import distribution, sample_index
-from tests.fakes.tiny_models import FAMILIES, STATE, VOCAB, tiny_model
+from tests.fakes.clock import FakeClock, RecordingTelemetrySink
+from tests.fakes.tiny_models import FAMILIES, QUANTIZED, STATE, VOCAB, tiny_model
 from tests.integration.drafters import helpers
 from tests.integration.drafters.test_decode import run
+from tests.integration.mlx import test_batching as batching
 from tests.integration.mlx.test_prefix_cache_mlx import cold, generator
 from tests.integration.mlx.test_prefix_cache_mlx import run as turn
 from tests.integration.mlx.test_target_greedy import PROMPTS, model, reference
@@ -56,8 +60,9 @@ def make_source(mode: str, family: str, m: Any, tmp: Path) -> Any:
         if STATE[family] == "recurrent":
             with pytest.raises(IncompatibleDrafter, match="recurrent layers"):
                 DraftModelSource(m)
+        if STATE[family] == "recurrent" or family in QUANTIZED:
             return DraftModelSource(tiny_model("llama", seed=5))  # a dense draft model of the same vocabulary
-        return DraftModelSource(helpers.perturbed(m, 0.3, seed=4))
+        return DraftModelSource(helpers.perturbed(m, 0.3, seed=4))  # a close twin of the target
     if mode == "dflash":
         path = helpers.write_dflash(tmp / mode, variant="v2", layer_ids=layers, num_target_layers=n, vocab=VOCAB)
         return load_drafter("dflash", str(path), m, bits=0)
@@ -148,3 +153,33 @@ def test_a_speculative_second_turn_resumes_from_the_prefix_cache(tmp_path: Path,
     assert second.cached_prompt_tokens >= len(system), family
     fresh = generator(family, None, source=make_source("dspark-specforge", family, m, tmp_path / "cold"), model=m)
     assert list(second.token_ids) == list(cold(fresh, prompt2, 8).token_ids), family
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if STATE[f] == "kv"])
+def test_speculative_rows_of_a_kv_family_batch_and_each_equals_its_solo_run(tmp_path: Path, family: str) -> None:
+    """Families whose cache can cut one row back batch speculative rows (the others are refused, in
+    tests/integration/mlx/test_batching.py, and serve speculation one request at a time)."""
+    m = model(family)
+
+    def service() -> GenerationService:
+        target = MlxTargetModel(m, prefill_chunk=4)
+        loaded = LoadedModel(
+            name="tiny", identity=f"tiny-{family}", target=target, tokenizer=batching.IdTokenizer(),
+            context_window=4096, family=family,
+        )  # fmt: skip
+        source = make_source("dspark-specforge", family, m, tmp_path)
+        target.configure_capture(tuple(source.target_layer_ids))
+        return GenerationService(
+            loaded, source=source, mode="dspark", clock=FakeClock(), telemetry=RecordingTelemetrySink(),
+            cap_policy_factory=lambda: FixedCap(4),
+        )  # fmt: skip
+
+    reqs = batching.requests(4, sampled=False, seed=3)
+    jobs = [batching.Job(r) for r in reqs]
+    engine = batching.run_batched(service(), jobs, max_batch=8, join_every=2)
+    alone = service()
+    for job, req in zip(jobs, reqs):
+        assert job.ended == "end", job.error
+        want = alone.generate(req)
+        assert (job.tokens(), job.result().finish_reason) == (want.token_ids, want.finish_reason)
+    assert engine.widest > 1 and engine.drafting_steps > 0

@@ -24,7 +24,7 @@ from mlx_dspark.domain.tokens import SamplingParams
 from tests.fakes.tiny_models import FAMILIES, tiny_model
 
 GREEDY = SamplingParams()
-DENSE = ("llama", "qwen3", "qwen3_moe", "minicpm")
+DENSE = ("llama", "qwen3", "qwen3_moe", "minicpm", "qwen3_ternary", "bitnet")
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from mlx import nn
 
 from mlx_dspark.adapters.mlx import compiled_forward, key_buckets, row_products
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
-from tests.fakes.tiny_models import FAMILIES
+from tests.fakes.tiny_models import FAMILIES, QUANTIZED
 from tests.integration.drafters import helpers
 from tests.integration.mlx import test_key_buckets as buckets_suite
 
@@ -138,4 +138,5 @@ def test_every_family_decodes_with_row_products_as_mlx_lm_does(rows_on: list[int
     from tests.integration.mlx import test_target_greedy as suite
 
     suite.test_speculative_equals_plain_and_mlx_lm(family)
-    assert any(rows > 1 for rows in rows_on)
+    # Quantized projections keep MLX's own kernels (no cuBLASLt call to save); dense ones take row products.
+    assert any(rows > 1 for rows in rows_on) == (family not in QUANTIZED)
