@@ -1,0 +1,246 @@
+"""A target sharded over several processes with `mx.distributed` (ring on TCP, JACCL, MPI, NCCL), speculation on top.
+
+Every rank holds one tensor-parallel shard of the same model (mlx-lm's own `shard` methods: attention heads and
+MLP columns split, one all-reduce after each) and a full `MlxTargetModel` around it, so each rank's forward
+ends in the same all-reduced hidden states and logits, bit for bit. Rank 0 runs the engine and the drafter;
+`MirroredTarget` sends each TargetModel call to the other ranks before it makes it itself, and `serve_worker`
+makes the same call on theirs. With the same logits, the same uniforms and the same arguments every rank takes
+the same acceptance decision and commits the same rows: a verify of a whole block pays the link once.
+
+The channel is `all_sum` itself: rank 0 contributes the message, the others zeros, each collective evaluated at
+once so that every rank runs them in one order. A drafter's on-device block is therefore summed (not read back)
+before the verify that uses it. Prefix-cache states are per rank and are not mirrored: a distributed target
+serves without the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_dspark.adapters.mlx.acceptance import as_q_rows
+from mlx_dspark.adapters.mlx.readback import DeviceTokens
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.domain.drafting.block import DraftBlock
+from mlx_dspark.domain.errors import ModelUnavailable
+from mlx_dspark.domain.tokens import SamplingParams
+from mlx_dspark.domain.verification.outcome import Acceptance
+
+_HEADER = 16  # int32 slots of a call header: op, then the call's integers
+
+
+class Op(enum.IntEnum):
+    STOP = 1
+    RESET = 2
+    PREFILL = 3
+    EXTEND = 4
+    VERIFY = 5
+    COMMIT = 6
+    TAKE_FEATURES = 7
+    CAPTURE = 8
+
+
+def shard(model: Any, group: mx.distributed.Group) -> Any:
+    """Split `model` over `group` with mlx-lm's tensor parallelism (in place); refuses families without it."""
+    if group.size() == 1:
+        return model
+    if not callable(getattr(model, "shard", None)):
+        raise ModelUnavailable(message=f"{type(model).__module__}: mlx-lm has no tensor-parallel sharding for it")
+    model.shard(group)
+    mx.eval(model.parameters())
+    return model
+
+
+def _float_bits(x: float) -> int:
+    return int(struct.unpack("<i", struct.pack("<f", float(x)))[0])
+
+
+def _bits_float(i: int) -> float:
+    return float(struct.unpack("<f", struct.pack("<i", int(i)))[0])
+
+
+class Channel:
+    """Rank 0's calls to the others over the group's all-reduce (rank 0 sends, every rank receives)."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.rank = group.rank()
+
+    def _sum(self, a: mx.array) -> mx.array:
+        return mx.distributed.all_sum(a if self.rank == 0 else mx.zeros_like(a), group=self.group)
+
+    def header(self, values: Sequence[int] = ()) -> list[int]:
+        """Rank 0 passes the header; every rank gets it back (host values: one sync)."""
+        if len(values) > _HEADER:
+            raise ValueError(f"a call header holds at most {_HEADER} integers")
+        out = self._sum(mx.array([*values, *[0] * (_HEADER - len(values))], dtype=mx.int32))
+        return [int(v) for v in out.tolist()]
+
+    # Every collective is evaluated where it is made: ranks must run their all-reduces in one order, and a lazy
+    # one would run wherever the scheduler put it in the next graph.
+    def ints(self, values: mx.array | Sequence[int], n: int) -> mx.array:
+        """n int32 values from rank 0."""
+        a = values if isinstance(values, mx.array) else mx.array(list(values), dtype=mx.int32)
+        out = self._sum(a.astype(mx.int32) if self.rank == 0 else mx.zeros((n,), dtype=mx.int32))
+        mx.eval(out)
+        return out
+
+    def floats(self, values: mx.array | None, shape: tuple[int, ...]) -> mx.array:
+        """float32 values of `shape` from rank 0."""
+        a = values if (self.rank == 0 and values is not None) else mx.zeros(shape, dtype=mx.float32)
+        out = self._sum(a.astype(mx.float32))
+        mx.eval(out)
+        return out
+
+
+def _sampling_ints(s: SamplingParams) -> list[int]:
+    return [_float_bits(s.temperature), _float_bits(s.top_p), int(s.top_k)]
+
+
+def _sampling_of(values: Sequence[int]) -> SamplingParams:
+    return SamplingParams(temperature=_bits_float(values[0]), top_p=_bits_float(values[1]), top_k=int(values[2]))
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A lost rank surfaces in a collective as the backend's RuntimeError (the ring: at once, when the peer's
+    socket closes); from then on every call fails fast with one clear error instead of hanging."""
+
+    @functools.wraps(method)
+    def call(self: MirroredTarget, *args: Any, **kwargs: Any) -> Any:
+        if self.lost is not None:
+            raise ModelUnavailable(message=self.lost)
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            self.lost = f"the distributed target lost a rank ({exc}); restart every rank to serve again"
+            raise ModelUnavailable(message=self.lost) from exc
+
+    return call
+
+
+class MirroredTarget:
+    """Rank 0's TargetModel: each call goes to every other rank first, then runs on this rank's shard."""
+
+    def __init__(self, target: MlxTargetModel, channel: Channel) -> None:
+        if channel.rank != 0:
+            raise ValueError("the mirrored target runs on rank 0; the other ranks run serve_worker")
+        self._target = target
+        self._channel = channel
+        self.lost: str | None = None
+
+    def __getattr__(self, name: str) -> Any:  # read-only properties and helpers of the local target
+        return getattr(self._target, name)
+
+    @_guarded
+    def configure_capture(self, layer_ids: tuple[int, ...]) -> None:
+        self._channel.header([Op.CAPTURE, len(layer_ids), *[i + 1 for i in layer_ids]])
+        self._target.configure_capture(layer_ids)
+
+    def add_capture(self, layer_ids: Sequence[int]) -> None:
+        union = self._target.capture_layers + tuple(i for i in layer_ids if i not in self._target.capture_layers)
+        self.configure_capture(tuple(dict.fromkeys(union)))
+
+    @_guarded
+    def reset(self, keep: int = 0, *, capture: bool = True) -> int:
+        self._channel.header([Op.RESET, keep, int(capture)])
+        return self._target.reset(keep, capture=capture)
+
+    @_guarded
+    def prefill(self, tokens: Sequence[int], sampling: SamplingParams, uniform: float) -> int:
+        self._channel.header([Op.PREFILL, len(tokens), *_sampling_ints(sampling), _float_bits(uniform)])
+        self._channel.ints(tokens, len(tokens))
+        return self._target.prefill(tokens, sampling, uniform)
+
+    @_guarded
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._channel.header([Op.EXTEND, len(tokens)])
+        self._channel.ints(tokens, len(tokens))
+        self._target.extend(tokens)
+
+    @_guarded
+    def verify(
+        self,
+        anchor: int,
+        block: DraftBlock,
+        sampling: SamplingParams,
+        uniforms: Sequence[float],
+        *,
+        ahead: float | None = None,
+    ) -> Acceptance:
+        k = len(block)
+        has_q = block.q is not None and not sampling.greedy
+        vocab = self._target.vocab_size
+        head = [Op.VERIFY, anchor, k, int(has_q), int(ahead is not None), _float_bits(ahead or 0.0), len(uniforms)]
+        self._channel.header([*head, *_sampling_ints(sampling)])
+        self._channel.floats(mx.array(list(uniforms), dtype=mx.float32), (len(uniforms),))
+        if k:  # rank 0 verifies its own block; the sums feed the others
+            on_device = block.pending if isinstance(block.pending, DeviceTokens) else None
+            self._channel.ints(on_device.array if on_device else list(block.tokens), k)
+            if has_q:
+                self._channel.floats(as_q_rows(block.q, k), (k, vocab))
+        return self._target.verify(anchor, block, sampling, uniforms, ahead=ahead)
+
+    @_guarded
+    def commit(self, keep_rows: int) -> None:
+        self._channel.header([Op.COMMIT, keep_rows])
+        self._target.commit(keep_rows)
+
+    @_guarded
+    def take_features(self) -> Any:
+        self._channel.header([Op.TAKE_FEATURES])
+        return self._target.take_features()
+
+    @_guarded
+    def hand_over_features(self) -> Any:
+        self._channel.header([Op.TAKE_FEATURES])
+        return self._target.hand_over_features()
+
+    def save_state(self) -> Any:
+        raise NotImplementedError("a distributed target keeps no prefix-cache states (they are per rank)")
+
+    def load_state(self, state: Any, keep: int) -> int:
+        raise NotImplementedError("a distributed target keeps no prefix-cache states (they are per rank)")
+
+    @_guarded
+    def stop(self) -> None:
+        """Release the other ranks' `serve_worker` loops."""
+        self._channel.header([Op.STOP])
+
+
+def serve_worker(target: MlxTargetModel, channel: Channel) -> int:
+    """Make rank 0's calls on this rank's shard until it says stop; returns the calls served."""
+    vocab = target.vocab_size
+    served = 0
+    while True:
+        h = channel.header()
+        op = Op(h[0])
+        served += 1
+        if op is Op.STOP:
+            return served
+        if op is Op.CAPTURE:
+            target.configure_capture(tuple(i - 1 for i in h[2 : 2 + h[1]]))
+        elif op is Op.RESET:
+            target.reset(h[1], capture=bool(h[2]))
+        elif op is Op.PREFILL:
+            tokens = channel.ints((), h[1]).tolist()
+            target.prefill(tokens, _sampling_of(h[2:5]), _bits_float(h[5]))
+        elif op is Op.EXTEND:
+            target.extend(channel.ints((), h[1]).tolist())
+        elif op is Op.VERIFY:
+            anchor, k, has_q, has_ahead = h[1], h[2], bool(h[3]), bool(h[4])
+            uniforms = channel.floats(None, (h[6],)).tolist()
+            block = DraftBlock()
+            if k:
+                drafts = tuple(channel.ints((), k).tolist())
+                block = DraftBlock(tokens=drafts, q=channel.floats(None, (k, vocab)) if has_q else None)
+            sampling = _sampling_of(h[7:10])
+            target.verify(anchor, block, sampling, uniforms, ahead=_bits_float(h[5]) if has_ahead else None)
+        elif op is Op.COMMIT:
+            target.commit(h[1])
+        elif op is Op.TAKE_FEATURES:
+            target.take_features()

@@ -1,0 +1,114 @@
+"""One rank of the distributed suite, started by `mlx.launch --backend ring` (see test_sharded.py).
+
+argv: OUT_DIR FAMILY DSPARK_DIR DFLASH_DIR [chaos]. Every rank builds the same tiny model, keeps its
+tensor-parallel shard and wraps it in an MlxTargetModel; rank 0 decodes each prompt in every mode through a
+MirroredTarget while the other ranks serve it; each rank then writes what it decoded and its cache's token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for tests.*
+
+import mlx.core as mx
+
+from mlx_dspark.adapters.mlx.distributed import Channel, MirroredTarget, serve_worker, shard
+from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
+from mlx_dspark.adapters.mlx.drafters import load_drafter
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.application.engine import decode
+from mlx_dspark.domain.costmodel.draft_cap import FixedCap
+from mlx_dspark.domain.drafting.lookup import LookupDraftSource
+from mlx_dspark.domain.errors import ModelUnavailable
+from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from tests.decoding import collect
+from tests.fakes.clock import FakeClock
+from tests.fakes.tiny_models import tiny_model
+
+PROMPTS = ((3, 17, 99, 5, 42), (7, 1, 150, 33, 8, 64, 2, 90, 11, 5, 130, 77))
+BUDGETS = (40, 23)
+DIE_AFTER = 30  # calls a worker serves in the chaos scenario before it dies
+
+
+def chaos(rank: int, target: MlxTargetModel, channel: Channel, report: dict[str, object]) -> None:
+    """Rank 1 dies after DIE_AFTER calls, mid-request; rank 0 must end that request with a clear error, fast,
+    and fail fast after it."""
+    if rank != 0:
+        header, calls = channel.header, [0]
+
+        def dying(values: tuple[int, ...] = ()) -> list[int]:
+            calls[0] += 1
+            if calls[0] > DIE_AFTER:
+                os._exit(0)
+            return header(values)
+
+        channel.header = dying  # type: ignore[method-assign]
+        serve_worker(target, channel)
+        return
+    mirrored = MirroredTarget(target, channel)
+    events = decode(mirrored, [3, 17, 99], SamplingParams(), StopRule(max_tokens=500), FakeClock())
+    start, got = time.perf_counter(), 0
+    try:
+        for event in events:
+            got += len(getattr(event, "tokens", ()))
+    except ModelUnavailable as exc:
+        report.update(error=exc.message, seconds=time.perf_counter() - start, tokens=got)
+    try:
+        mirrored.reset(0)
+    except ModelUnavailable as exc:
+        report["after"] = exc.message
+
+
+def main() -> None:
+    out, family, dspark_dir, dflash_dir = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    group = mx.distributed.init(backend="ring", strict=True)
+    rank = group.rank()
+    model = shard(tiny_model(family, seed=0), group)
+    target = MlxTargetModel(model)
+    channel = Channel(group)
+    report: dict[str, object] = {"rank": rank, "size": group.size()}
+    if sys.argv[5:] == ["chaos"]:
+        chaos(rank, target, channel, report)
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+        return
+    if rank != 0:
+        report["served"] = serve_worker(target, channel)
+    else:
+        mirrored = MirroredTarget(target, channel)
+        sources = {
+            "plain": None,
+            "lookup": LookupDraftSource(block=6, min_n=1),
+            "dspark": load_drafter("dspark", dspark_dir, model, bits=0),
+            "dflash": load_drafter("dflash", dflash_dir, model, bits=0),
+            "draft": DraftModelSource(tiny_model("llama", seed=5)),
+        }
+        runs: dict[str, list[list[int]]] = {}
+        rounds: dict[str, list[int]] = {}
+        seconds: dict[str, float] = {}
+        for name, source in sources.items():
+            if source is not None and source.uses_features:
+                mirrored.configure_capture(tuple(source.target_layer_ids))
+            start = time.perf_counter()
+            runs[name], rounds[name] = [], []
+            for prompt, budget in zip(PROMPTS, BUDGETS):
+                events = decode(
+                    mirrored, list(prompt), SamplingParams(), StopRule(max_tokens=budget), FakeClock(),
+                    source=source, cap_policy=FixedCap(4) if source is not None else None,
+                )  # fmt: skip
+                tokens, rs, _ = collect(events)
+                runs[name].append(tokens)
+                rounds[name].append(len(rs))
+            seconds[name] = time.perf_counter() - start
+        mirrored.stop()
+        report.update(runs=runs, rounds=rounds, seconds=seconds)
+    report["cached_ids"] = list(target.cached_ids)
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""A target sharded over 2 ranks (mx.distributed ring on 127.0.0.1, as `mlx.launch` starts it), speculation on
+top: sharded plain decoding equals one-machine plain decoding (float32, greedy), every draft mode over the
+sharded target equals sharded plain decoding with exact budgets, and every rank ends holding the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_dspark.adapters.mlx.target import MlxTargetModel
+from mlx_dspark.application.engine import decode
+from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from tests.decoding import collect
+from tests.fakes.clock import FakeClock
+from tests.fakes.tiny_models import tiny_model
+from tests.integration.distributed import rank_main
+from tests.integration.drafters import helpers
+
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed beside this Python")
+
+
+def launch(tmp: Path, family: str, ranks: int = 2, timeout: float = 240, *extra: str) -> list[dict[str, Any]]:
+    model = tiny_model(family, seed=0)
+    n = len(model.layers)
+    dspark = helpers.write_dspark(
+        tmp / "dspark", model, packaging="specforge", layer_ids=(0, n - 1), num_target_layers=n
+    )
+    dflash = helpers.write_dflash(tmp / "dflash", variant="v2", layer_ids=(0, n - 1), num_target_layers=n, vocab=192)
+    cmd = [
+        str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable,
+        str(Path(rank_main.__file__)), str(tmp), family, str(dspark), str(dflash), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "MLX_DSPARK_ROW_PRODUCTS": "off"}
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = (tmp / f"rank{r}.json" for r in range(ranks))
+    return [json.loads(p.read_text()) for p in reports if p.exists()]  # a rank that died wrote none
+
+
+def one_machine(family: str) -> list[list[int]]:
+    out = []
+    for prompt, budget in zip(rank_main.PROMPTS, rank_main.BUDGETS):
+        target = MlxTargetModel(tiny_model(family, seed=0))
+        tokens, _, _ = collect(decode(target, list(prompt), SamplingParams(), StopRule(max_tokens=budget), FakeClock()))
+        out.append(tokens)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sharded_decoding_equals_one_machine_and_speculation_equals_sharded_plain(tmp_path: Path, family: str) -> None:
+    rank0, rank1 = launch(tmp_path, family)
+    assert (rank0["size"], rank1["size"]) == (2, 2)
+    plain = rank0["runs"]["plain"]
+    assert plain == one_machine(family)
+    for mode, runs in rank0["runs"].items():
+        assert runs == plain, mode
+        assert [len(r) for r in runs] == list(rank_main.BUDGETS), mode
+    assert sum(rank0["rounds"]["lookup"]) < sum(rank0["rounds"]["plain"])  # drafts were accepted: fewer rounds
+    assert rank1["served"] > sum(rank0["rounds"]["plain"])  # the worker made every call
+    assert rank0["cached_ids"] == rank1["cached_ids"]  # both ranks committed the same rows
+    print("\nseconds per mode, 2 ranks over loopback:", {k: round(v, 2) for k, v in rank0["seconds"].items()})
+
+
+def test_a_worker_that_dies_mid_request_ends_it_with_a_clear_error_and_a_restart_serves(tmp_path: Path) -> None:
+    (rank0,) = launch(tmp_path / "a", "llama", 2, 120, "chaos")
+    assert "lost a rank" in rank0["error"] and "restart every rank" in rank0["error"]
+    assert rank0["seconds"] < 10  # the ring reports a closed peer socket at once; no hang
+    assert 0 < rank0["tokens"] < 500  # it died mid-request
+    assert rank0["after"] == rank0["error"]  # later calls fail fast with the same error
+    rank0, _ = launch(tmp_path / "b", "llama")  # a fresh start serves again
+    assert rank0["runs"]["lookup"] == rank0["runs"]["plain"]
