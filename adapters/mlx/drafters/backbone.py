@@ -6,6 +6,10 @@ the block). RoPE puts context rows at their absolute positions and the block at 
 attend bidirectionally over the block and every context row; sliding layers are causal in the block
 (unless the checkpoint says otherwise) and see only the last `sliding_window` positions.
 
+Two layer layouts, chosen by the parsed config: Qwen3's (pre-norm residuals, SwiGLU) and Gemma-4's
+(`Gemma4DSparkModel`: sandwich norms scaled by `layer_scalar`, values normalized without a scale and, with
+`attention_k_eq_v`, taken from the key projection, attention scale 1, GELU-tanh MLP, proportional RoPE).
+
 Two ways in: a pure forward (`DrafterBackbone.hidden`, explicit positions and masks, for training) and
 `ContextCache`, the inference cache that holds K/V of verified context rows only and so never rolls back.
 Training lays many blocks side by side in one row; `BlockwiseMask` attends them without the dense
@@ -24,7 +28,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from mlx_dspark.adapters.mlx import compiled_forward, key_buckets
 from mlx_dspark.adapters.mlx.drafters.checkpoint import load_strict, prepare
-from mlx_dspark.adapters.mlx.drafters.config import SLIDING, BackboneConfig
+from mlx_dspark.adapters.mlx.drafters.config import GEMMA4, SLIDING, BackboneConfig
 
 Positions = int | mx.array
 KV = tuple[mx.array, mx.array]
@@ -79,17 +83,22 @@ def rope_at(rope: nn.Module, x: mx.array, positions: Positions) -> mx.array:
 
 
 class DraftAttention(nn.Module):
-    """Attention whose keys/values are [context rows ; block rows] and whose queries are the block."""
+    """Attention whose keys/values are [context rows ; block rows] and whose queries are the block.
+
+    Gemma-4 layout: values are RMS-normalized without a scale (`v_norm`, no tensor); with `values_from_keys`
+    they are the key projection's rows before `k_norm` and RoPE (there is no `v_proj`)."""
 
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
         self.n_heads, self.n_kv_heads, self.head_dim = nh, nkv, hd
-        self.scale = hd**-0.5
+        self.scale = hd**-0.5 if cfg.attention_scale is None else cfg.attention_scale
+        self.value_norm_eps = cfg.rms_norm_eps if cfg.layout == GEMMA4 else None
         self.q_proj = nn.Linear(h, nh * hd, bias=bias)
         self.k_proj = nn.Linear(h, nkv * hd, bias=bias)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=bias)
+        if not cfg.values_from_keys:
+            self.v_proj = nn.Linear(h, nkv * hd, bias=bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=bias)
         self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
@@ -105,11 +114,19 @@ class DraftAttention(nn.Module):
         b, t, _ = x.shape
         return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
 
+    def _unrotated_kv(self, x: mx.array) -> KV:
+        """Keys (k_norm'ed, not yet rotated) and values [B, kv_heads, T, D] of rows `x` [B, T, H]."""
+        keys = self.k_proj(x)
+        values = self.v_proj(x) if "v_proj" in self else keys
+        v = self._heads(values, self.n_kv_heads)
+        if self.value_norm_eps is not None:
+            v = mx.fast.rms_norm(v, None, self.value_norm_eps)
+        return self.k_norm(self._heads(keys, self.n_kv_heads)), v
+
     def key_values(self, x: mx.array, positions: Positions) -> KV:
         """Rotated keys and values [B, kv_heads, T, D] of rows `x` [B, T, H] (context or block)."""
-        k = rope_at(self.rope, self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), positions)
-        v = self._heads(self.v_proj(x), self.n_kv_heads)
-        return k, v
+        k, v = self._unrotated_kv(x)
+        return rope_at(self.rope, k, positions), v
 
     def _attend(
         self, q: mx.array, k: mx.array, v: mx.array, context: KV | None, mask: mx.array | BlockwiseMask | None
@@ -139,8 +156,8 @@ class DraftAttention(nn.Module):
         its own context. The projections run batched (their weights are read once for every row); only the
         attention itself runs per row, since the rows' contexts differ in length."""
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offsets)
-        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offsets)
-        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        k, v = self._unrotated_kv(x)
+        k = self.rope(k, offset=offsets)
         out = [
             self._attend(q[r : r + 1], k[r : r + 1], v[r : r + 1], context, mask)
             for r, (context, mask) in enumerate(zip(contexts, masks, strict=True))
@@ -148,41 +165,60 @@ class DraftAttention(nn.Module):
         return self._out(mx.concatenate(out, axis=0))
 
 
-class DraftMLP(nn.Module):
-    """SwiGLU feed-forward."""
+ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_tanh": nn.gelu_approx}
 
-    def __init__(self, cfg: BackboneConfig) -> None:
+
+class DraftMLP(nn.Module):
+    """Gated feed-forward: down(act(gate(x)) · up(x)), SiLU (SwiGLU) or GELU."""
+
+    def __init__(self, cfg: BackboneConfig, width: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_activation]
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm residual decoder layer (Qwen3 layout)."""
+    """Residual decoder layer: pre-norm (Qwen3 layout), or Gemma-4's sandwich norms, whose output is scaled by
+    `layer_scalar`: h = x + post_attn(attn(input(x))); out = (h + post_ff(mlp(pre_ff(h)))) · layer_scalar."""
 
-    def __init__(self, cfg: BackboneConfig) -> None:
+    def __init__(self, cfg: BackboneConfig, index: int = 0) -> None:
         super().__init__()
+        self.sandwich = cfg.layout == GEMMA4
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = DraftMLP(cfg)
+        wide = index in cfg.double_wide_layers
+        self.mlp = DraftMLP(cfg, 2 * cfg.intermediate_size if wide else None)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.layer_scalar = mx.ones((1,))  # a checkpoint buffer (loaded, never trained)
+            self.freeze(keys=["layer_scalar"], recurse=False)
+
+    def _after_attention(self, x: mx.array, attended: mx.array) -> mx.array:
+        if not self.sandwich:
+            h = x + attended
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attended)
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h * self.layer_scalar
 
     def __call__(
         self, x: mx.array, positions: Positions, context: KV | None, mask: mx.array | BlockwiseMask | None
     ) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), positions, context, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self._after_attention(x, self.self_attn(self.input_layernorm(x), positions, context, mask))
 
     def rows(
         self, x: mx.array, offsets: mx.array, contexts: Sequence[KV | None], masks: Sequence[mx.array | None]
     ) -> mx.array:
         """`__call__` for blocks of different requests (see `DraftAttention.rows`)."""
-        h = x + self.self_attn.rows(self.input_layernorm(x), offsets, contexts, masks)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self._after_attention(x, self.self_attn.rows(self.input_layernorm(x), offsets, contexts, masks))
 
 
 class DrafterBackbone(nn.Module):
@@ -194,7 +230,7 @@ class DrafterBackbone(nn.Module):
         m = len(cfg.target_layer_ids)
         self.fc = nn.Linear(m * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = [DraftLayer(cfg) for _ in range(cfg.num_layers)]
+        self.layers = [DraftLayer(cfg, i) for i in range(cfg.num_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     @property

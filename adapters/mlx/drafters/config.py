@@ -2,7 +2,8 @@
 
 Handles the schema drift of z-lab DFlash (`block_size` top-level or in `dflash_config`, `rope_theta` or
 `rope_parameters`, sliding layers) and the three DSpark packagings (DeepSpec standalone, vLLM speculators,
-SpecForge). See ../shared/docs/drafters.md §2.2 and §3.2.
+SpecForge), with DeepSpec's two backbones: Qwen3-style (`Qwen3DSparkModel`) and Gemma-4-style
+(`Gemma4DSparkModel`, a copy of the target's Gemma-4 text config). See ../shared/docs/drafters.md §2.2 and §3.2.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import attrs
 from mlx_dspark.domain.errors import ModelUnavailable
 
 SLIDING = "sliding_attention"
+QWEN3 = "qwen3"
+GEMMA4 = "gemma4"
+# Gemma-4's `hidden_activation` values → the activation the MLP applies to its gate.
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
 @attrs.frozen(kw_only=True)
@@ -37,6 +42,13 @@ class BackboneConfig:
         sliding_causal: whether sliding layers are causal inside the block.
         attention_bias: q/k/v/o projections carry biases.
         vocab_size: the vocabulary the drafter declares (None when absent).
+        layout: the decoder layer. "qwen3": pre-norm residuals, SwiGLU. "gemma4" (`Gemma4DSparkModel`):
+            sandwich norms (input/post-attention, pre/post-feedforward) with a per-layer `layer_scalar`,
+            an unscaled RMS norm on the values (`v_norm`), attention scale 1, every layer full attention.
+        values_from_keys: values reuse the key projection (Gemma-4 `attention_k_eq_v`: no `v_proj`).
+        hidden_activation: the MLP's gate activation, "silu" or "gelu_tanh".
+        attention_scale: the softmax scale (None: head_dim ** −0.5).
+        double_wide_layers: layers whose MLP is twice `intermediate_size` wide (Gemma-4 `use_double_wide_mlp`).
     """
 
     hidden_size: int
@@ -59,6 +71,11 @@ class BackboneConfig:
     sliding_causal: bool = True
     attention_bias: bool = False
     vocab_size: int | None = None
+    layout: str = QWEN3
+    values_from_keys: bool = False
+    hidden_activation: str = "silu"
+    attention_scale: float | None = None
+    double_wide_layers: tuple[int, ...] = ()
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING and self.sliding_window is not None
@@ -80,7 +97,7 @@ class DSparkConfig:
     """A DSpark drafter: backbone + Markov head + confidence head.
 
     Attributes:
-        packaging: "deepspec", "speculators" or "specforge".
+        packaging: "deepspec" (either backbone layout), "speculators" or "specforge".
         first_draft_slot: 0 when slot k predicts anchor+k+1 (`sample_from_anchor`), 1 when slot 0 is
             reserved and slot k predicts anchor+k (`logits_start=1`).
         markov_rank: rank r of the Markov head (0 = none).
@@ -216,14 +233,9 @@ def dspark_packaging(raw: Mapping[str, Any]) -> str:
     """Which DSpark packaging a `config.json` is: "deepspec", "speculators" or "specforge".
 
     Raises:
-        ModelUnavailable: a Gemma-4 backbone variant, a non-DSpark speculators algorithm, or no DSpark marker.
+        ModelUnavailable: a speculators Gemma-4 head, a non-DSpark speculators algorithm, or no DSpark marker.
     """
     arch = " ".join(raw.get("architectures") or ())
-    if "Gemma4DSpark" in arch or str(raw.get("model_type", "")).startswith("gemma4"):
-        raise ModelUnavailable(
-            message="Gemma-4 DSpark drafters (Gemma4DSparkModel: k=v attention, sandwich norms, partial RoPE) "
-            "are not supported; only Qwen3-style DSpark backbones are"
-        )
     spec = raw.get("speculators_config")
     if spec is not None or raw.get("speculators_model_type"):
         algorithm = (spec or {}).get("algorithm") or raw.get("speculators_model_type")
@@ -231,13 +243,90 @@ def dspark_packaging(raw: Mapping[str, Any]) -> str:
             raise ModelUnavailable(message=f"speculators checkpoint with algorithm {algorithm!r}, expected 'dspark'")
         layer = raw.get("transformer_layer_config") or {}
         if str(layer.get("model_type", "")).startswith("gemma4"):
-            raise ModelUnavailable(message="Gemma-4 DSpark drafters are not supported")
+            raise ModelUnavailable(
+                message="speculators-packaged Gemma-4 DSpark drafters are not supported (no published layout); "
+                "Gemma-4 DSpark loads in DeepSpec's Gemma4DSparkModel layout"
+            )
         return "speculators"
     if (raw.get("dflash_config") or {}).get("projector_type") == "dspark":
         return "specforge"
-    if "Qwen3DSparkModel" in arch or "markov_rank" in raw:
+    if "Qwen3DSparkModel" in arch or "Gemma4DSparkModel" in arch or "markov_rank" in raw:
         return "deepspec"
     raise ModelUnavailable(message="config.json is not a DSpark checkpoint (no DSpark marker); try kind='dflash'")
+
+
+def is_gemma4(raw: Mapping[str, Any]) -> bool:
+    """Whether a DeepSpec DSpark config is the Gemma-4 backbone (`Gemma4DSparkModel`, a copied Gemma-4 text
+    config) rather than the Qwen3-style one."""
+    arch = " ".join(raw.get("architectures") or ())
+    return "Gemma4DSparkModel" in arch or str(raw.get("model_type", "")).startswith("gemma4")
+
+
+def _activation(name: str, where: str) -> str:
+    if name in GELU_TANH:
+        return "gelu_tanh"
+    if name in ("gelu", "silu"):
+        return name
+    raise ModelUnavailable(message=f"{where}: hidden_activation {name!r} is not supported")
+
+
+def _gemma4_backbone(raw: Mapping[str, Any], where: str) -> BackboneConfig:
+    """The backbone of DeepSpec's `Gemma4DSparkModel`, read from its copy of the target's Gemma-4 text config.
+
+    Every drafter layer is the target's global ("full_attention") layer shape: `global_head_dim`-wide heads,
+    `num_global_key_value_heads` KV heads when `attention_k_eq_v` (values then reuse the keys' projection),
+    the full-attention RoPE of `rope_parameters` (proportional partial RoPE as published), no sliding window.
+
+    Raises:
+        ModelUnavailable: a required key is missing, or a part the reference drafter refuses too (MoE
+            blocks, per-layer inputs) or that it could not run (a RoPE type other than default/proportional).
+    """
+    if raw.get("enable_moe_block"):
+        raise ModelUnavailable(message=f"{where}: Gemma-4 DSpark drafters with MoE blocks are not supported")
+    if int(raw.get("hidden_size_per_layer_input") or 0):
+        raise ModelUnavailable(message=f"{where}: Gemma-4 DSpark drafters with per-layer inputs are not supported")
+    n_layers = int(_require(raw.get("num_hidden_layers"), "num_hidden_layers", where))
+    head_dim = int(_require(raw.get("global_head_dim"), "global_head_dim", where))
+    k_eq_v = bool(raw.get("attention_k_eq_v", False))
+    kv_key = "num_global_key_value_heads" if k_eq_v else "num_key_value_heads"
+    kv_heads = int(_require(raw.get(kv_key), kv_key, where))
+    params = _require(raw.get("rope_parameters"), "rope_parameters", where)
+    rope = dict(params.get("full_attention") or params)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ("default", "proportional"):
+        raise ModelUnavailable(
+            message=f"{where}: Gemma-4 DSpark RoPE type {rope_type!r} is not supported (default or proportional)"
+        )
+    layer = {
+        **raw,
+        "head_dim": head_dim,
+        "num_key_value_heads": kv_heads,
+        "layer_types": None,
+        "sliding_window": None,
+        "rope_parameters": None,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if rope_type != "default" else None,
+    }
+    backbone = _backbone(
+        layer,
+        block_size=raw.get("block_size"),
+        mask_token_id=raw.get("mask_token_id"),
+        target_layer_ids=raw.get("target_layer_ids"),
+        num_target_layers=raw.get("num_target_layers"),
+        target_hidden_size=raw.get("hidden_size"),
+        non_causal=False,
+        where=where,
+    )
+    first_shared = n_layers - int(raw.get("num_kv_shared_layers") or 0)
+    double = bool(raw.get("use_double_wide_mlp")) and first_shared > 0
+    return attrs.evolve(
+        backbone,
+        layout=GEMMA4,
+        values_from_keys=k_eq_v,
+        hidden_activation=_activation(str(raw.get("hidden_activation") or "gelu_pytorch_tanh"), where),
+        attention_scale=1.0,
+        double_wide_layers=tuple(range(first_shared, n_layers)) if double else (),
+    )
 
 
 def _first_slot(*sources: Mapping[str, Any] | None, default: int) -> int:
@@ -254,7 +343,8 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
     """Parse a DSpark `config.json` in any supported packaging (§3.2).
 
     The slot convention is read from `logits_start` / `sample_from_anchor` when present; otherwise the
-    packaging's documented default applies (all three predict from the anchor slot).
+    packaging's documented default applies (all three predict from the anchor slot). A Gemma-4 DeepSpec
+    checkpoint embeds with the scale sqrt(hidden_size) and caps its logits with `final_logit_softcapping`.
 
     Raises:
         ModelUnavailable: unsupported variant or a required key is missing.
@@ -273,6 +363,11 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
             non_causal=_non_causal(raw, layer),
             where=where,
         )
+        draft_vocab = raw.get("draft_vocab_size")
+        first_slot = _first_slot(raw, default=0)
+    elif packaging == "deepspec" and is_gemma4(raw):
+        extra = raw
+        backbone = _gemma4_backbone(raw, where)
         draft_vocab = raw.get("draft_vocab_size")
         first_slot = _first_slot(raw, default=0)
     else:
@@ -299,7 +394,9 @@ def parse_dspark(raw: Mapping[str, Any], where: str = "drafter") -> DSparkConfig
         confidence_head=bool(extra.get("enable_confidence_head", False)),
         confidence_with_markov=with_markov,
         draft_vocab_size=int(draft_vocab) if draft_vocab else None,
-        input_embedding_scale=extra.get("input_embedding_scale"),
+        input_embedding_scale=extra.get("input_embedding_scale")
+        if backbone.layout != GEMMA4
+        else float(backbone.hidden_size) ** 0.5,
         output_multiplier=extra.get("output_multiplier"),
         final_logit_softcapping=extra.get("final_logit_softcapping"),
     )

@@ -353,3 +353,128 @@ def head_weight(target: Any) -> np.ndarray:
     owner = model_parts._owner(target)
     w = owner.lm_head.weight if "lm_head" in owner else model_parts.embedding(target).weight
     return np.array(w.astype(mx.float32))
+
+
+# ---------------------------------------------------------------- Gemma-4 DSpark (DeepSpec Gemma4DSparkModel)
+
+# The Gemma-4 text fields a serialised Gemma4TextConfig carries beside a tiny target's own config.json
+# (tests.fakes.tiny_models.hf_config): its defaults, as the drafter's deep copy would hold them.
+GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attention_k_eq_v": False,
+    "num_global_key_value_heads": None,
+    "use_double_wide_mlp": False,
+    "enable_moe_block": False,
+    "use_bidirectional_attention": None,
+    "initializer_range": 0.02,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+}
+
+
+def gemma4_dspark_config(
+    text_config: dict[str, Any],
+    *,
+    layers: int = 2,
+    layer_ids: Sequence[int] = (0, 5),
+    block_size: int = 5,
+    mask_token_id: int | None = None,
+    markov_rank: int = 0,
+) -> dict[str, Any]:
+    """config.json of a DeepSpec `Gemma4DSparkModel`: a copy of the target's Gemma-4 text config with the
+    fields DeepSpec's `build_draft_config` sets (dense layers, all full attention, DSpark keys)."""
+    cfg = json.loads(json.dumps(text_config))
+    cfg.update(
+        architectures=["Gemma4DSparkModel"],
+        target_model_type="gemma4",
+        target_text_model_type=cfg.get("model_type", "gemma4_text"),
+        num_target_layers=cfg["num_hidden_layers"],
+        num_hidden_layers=layers,
+        enable_moe_block=False,
+        hidden_size_per_layer_input=0,
+        block_size=block_size,
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * layers,
+        mask_token_id=cfg["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=list(layer_ids),
+        num_anchors=512,
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        dtype="bfloat16",
+    )
+    return cfg
+
+
+def gemma4_mlp_widths(cfg: dict[str, Any]) -> list[int]:
+    """Each drafter layer's MLP width: Gemma-4's MLP is double-wide on KV-shared layers (the last
+    `num_kv_shared_layers` of the drafter's own depth) when `use_double_wide_mlp`."""
+    n, inter = cfg["num_hidden_layers"], cfg["intermediate_size"]
+    first_shared = n - int(cfg.get("num_kv_shared_layers") or 0)
+    double = bool(cfg.get("use_double_wide_mlp")) and first_shared > 0
+    return [2 * inter if double and i >= first_shared else inter for i in range(n)]
+
+
+def gemma4_backbone_tensors(rng: np.random.Generator, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Random backbone tensors of a `Gemma4DSparkModel` with its state_dict names (no prefix; Linear weights
+    [out, in]; `layer_scalar` [1] is a persistent buffer; `v_norm` has no weight; no `v_proj` with k=v)."""
+    h, nh, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["global_head_dim"]
+    k_eq_v = bool(cfg.get("attention_k_eq_v"))
+    kv = cfg["num_global_key_value_heads"] if k_eq_v else cfg["num_key_value_heads"]
+    m = len(cfg["target_layer_ids"])
+    t: dict[str, np.ndarray] = {
+        "fc.weight": _rand(rng, (h, m * h)),
+        "hidden_norm.weight": 1 + _rand(rng, (h,), 0.1),
+        "norm.weight": 1 + _rand(rng, (h,), 0.1),
+    }
+    for i, inter in enumerate(gemma4_mlp_widths(cfg)):
+        p = f"layers.{i}."
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            t[p + f"{norm}_layernorm.weight"] = 1 + _rand(rng, (h,), 0.1)
+        t[p + "layer_scalar"] = np.array([0.5 + rng.random()], dtype=np.float32)
+        t[p + "self_attn.q_proj.weight"] = _rand(rng, (nh * hd, h))
+        t[p + "self_attn.k_proj.weight"] = _rand(rng, (kv * hd, h))
+        if not k_eq_v:
+            t[p + "self_attn.v_proj.weight"] = _rand(rng, (kv * hd, h))
+        t[p + "self_attn.o_proj.weight"] = _rand(rng, (h, nh * hd))
+        t[p + "self_attn.q_norm.weight"] = 1 + _rand(rng, (hd,), 0.1)
+        t[p + "self_attn.k_norm.weight"] = 1 + _rand(rng, (hd,), 0.1)
+        t[p + "mlp.gate_proj.weight"] = _rand(rng, (inter, h))
+        t[p + "mlp.up_proj.weight"] = _rand(rng, (inter, h))
+        t[p + "mlp.down_proj.weight"] = _rand(rng, (h, inter))
+    return t
+
+
+def write_gemma4_dspark(
+    path: Path,
+    target: Any,
+    text_config: dict[str, Any],
+    *,
+    layers: int = 2,
+    layer_ids: Sequence[int] = (0, 5),
+    block_size: int = 5,
+    seed: int = 0,
+    bigrams: np.ndarray | None = None,
+) -> Path:
+    """A DeepSpec Gemma-4 DSpark checkpoint for `target` (a tiny Gemma-4 whose config is `text_config`): own
+    copies of the target's embedding and (damped) head, a Markov head from `bigrams` (rank = V) or a random
+    rank-16 one, a confidence head with bias."""
+    rng = np.random.default_rng(seed)
+    v = model_parts.vocab_size(target)
+    rank = v if bigrams is not None else 16
+    cfg = gemma4_dspark_config(text_config, layers=layers, layer_ids=layer_ids, block_size=block_size, markov_rank=rank)
+    tensors = gemma4_backbone_tensors(rng, cfg)
+    tensors.update(
+        dspark_head_tensors(
+            rng, target=target, rank=rank, markov_strength=1.0 if bigrams is not None else 0.0, bigrams=bigrams
+        )
+    )
+    tensors["embed_tokens.weight"] = np.array(model_parts.embedding(target).weight.astype(mx.float32))
+    # Base logits are kept small next to the Markov bias so drafts follow the transition table.
+    tensors["lm_head.weight"] = head_weight(target) * (0.2 if bigrams is not None else 1.0)
+    return save(path, cfg, tensors)

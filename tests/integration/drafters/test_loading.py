@@ -191,11 +191,20 @@ def test_drafters_that_do_not_fit_the_target_are_refused(tmp_path: Path, qwen3_t
 
 
 def test_unsupported_variants_are_refused_with_a_clear_message(tmp_path: Path, qwen3_target: Any) -> None:
+    # Gemma-4 DSpark loads in DeepSpec's Gemma4DSparkModel layout (test_gemma4_dspark.py, with its own
+    # refusals); a Qwen3-style checkpoint relabelled Gemma-4 lacks the Gemma-4 keys, and a speculators-packaged
+    # Gemma-4 head has no published layout.
     gemma4 = edit(
         helpers.write_dspark(tmp_path / "g", qwen3_target), lambda c: c.update(architectures=["Gemma4DSparkModel"])
     )
-    with pytest.raises(ModelUnavailable, match="Gemma-4 DSpark"):
+    with pytest.raises(ModelUnavailable, match="no `global_head_dim`"):
         load_drafter("dspark", str(gemma4), qwen3_target)
+    spec_gemma4 = edit(
+        helpers.write_dspark(tmp_path / "sg", qwen3_target, packaging="speculators"),
+        lambda c: c["transformer_layer_config"].update(model_type="gemma4_text"),
+    )
+    with pytest.raises(ModelUnavailable, match="speculators-packaged Gemma-4 DSpark drafters are not supported"):
+        load_drafter("dspark", str(spec_gemma4), qwen3_target)
     eagle = edit(
         helpers.write_dspark(tmp_path / "e", qwen3_target, packaging="speculators"),
         lambda c: c["speculators_config"].update(algorithm="eagle3"),
