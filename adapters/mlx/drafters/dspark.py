@@ -139,11 +139,14 @@ class DSparkDrafter(DrafterBackbone, heads.DraftVocabulary):
         return out
 
     def confidence_logit(self, h: mx.array, prev_emb: mx.array | None) -> mx.array | None:
-        """proj([h_k ; w1[x_{k−1}]]) (or proj(h_k)), or None without a confidence head."""
+        """proj([h_k ; w1[x_{k−1}]]) (or proj(h_k)), or None without a confidence head (or, for a head that
+        reads the previous tokens, without them)."""
         if not self.has_confidence:
             return None
         x = h
-        if self.dspark_config.confidence_with_markov and prev_emb is not None:
+        if self.dspark_config.confidence_with_markov:
+            if prev_emb is None:
+                return None
             x = mx.concatenate([h, prev_emb.astype(h.dtype)], axis=-1)
         return self.confidence_head(x).astype(mx.float32)
 

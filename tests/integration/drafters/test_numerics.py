@@ -210,3 +210,16 @@ def test_dspark_markov_chain_and_confidence_match_the_reference(
         np.testing.assert_allclose(q[k], full, rtol=2e-3, atol=1e-5)
         assert q[k, x] > 0
         prev = x
+
+
+def test_the_pure_dspark_forward_without_previous_tokens_has_no_confidence(tmp_path: Path, qwen3_target: Any) -> None:
+    """The confidence head reads [h ; w1[x_{k-1}]]: with no previous tokens there is nothing to read, so no logit
+    (it used to feed h alone to a head H + r wide)."""
+    source = load_drafter("dspark", str(helpers.write_dspark(tmp_path / "d", qwen3_target)), qwen3_target, bits=0)
+    _, feats = helpers.target_forward(qwen3_target, [3, 4, 5, 6, 7], source.target_layer_ids)
+    ids = mx.array([[5, 1, 1, 1, 1]])
+    logits, confidence = source.drafter(ids, feats[None], positions=5, context_positions=0)
+    assert confidence is None and logits.shape[:2] == (1, 5)
+    with_prev, confidence = source.drafter(ids, feats[None], positions=5, context_positions=0, prev_ids=ids)
+    assert confidence is not None and confidence.shape == (1, 5)
+    assert not mx.allclose(with_prev, logits).item()  # the Markov bias moved them
