@@ -82,6 +82,10 @@ def _default_telemetry() -> TelemetrySink:
 def _default_loader(settings: Settings) -> ModelLoader:
     from mlx_dspark.adapters.hf.loader import HfModelLoader
 
+    if settings.model.distributed:
+        from mlx_dspark.adapters.mlx.distributed import DistributedLoader
+
+        return DistributedLoader(HfModelLoader(settings.model), settings.model.distributed, settings.model.model)
     return HfModelLoader(settings.model)
 
 

@@ -31,6 +31,11 @@ class ModelSettings:
     confidence_threshold: float = 0.0
     trust_remote_code: bool = False
     cache_dir: str | None = None  # where converted models and calibration live
+    # Shard the target over the ranks `mlx.launch` started, with this mx.distributed backend (ring, jaccl, mpi,
+    # nccl, any); rank 0 serves, the others follow its calls. None: one process.
+    distributed: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("ring", "jaccl", "mpi", "nccl", "any")))
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,8 @@ serves without the prefix cache.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import enum
 import functools
 import struct
@@ -132,6 +134,7 @@ class MirroredTarget:
         self._target = target
         self._channel = channel
         self.lost: str | None = None
+        self._stopped = False
 
     def __getattr__(self, name: str) -> Any:  # read-only properties and helpers of the local target
         return getattr(self._target, name)
@@ -200,6 +203,10 @@ class MirroredTarget:
         self._channel.header([Op.TAKE_FEATURES])
         return self._target.hand_over_features()
 
+    @property
+    def state_tag(self) -> str:
+        return ""  # no tag: the prefix cache keeps nothing of a target whose states live on several ranks
+
     def save_state(self) -> Any:
         raise NotImplementedError("a distributed target keeps no prefix-cache states (they are per rank)")
 
@@ -208,8 +215,67 @@ class MirroredTarget:
 
     @_guarded
     def stop(self) -> None:
-        """Release the other ranks' `serve_worker` loops."""
-        self._channel.header([Op.STOP])
+        """Release the other ranks' `serve_worker` loops (once)."""
+        if not self._stopped:
+            self._stopped = True
+            self._channel.header([Op.STOP])
+
+
+class DistributedLoader:
+    """The ModelLoader port over another loader: its target sharded over the group of `backend`.
+
+    On rank 0 `load_target(target)` returns the model behind a MirroredTarget. On every other rank it serves
+    rank 0's calls until rank 0 stops (or is lost), then ends the process: those ranks run nothing else. Other
+    models (a draft model) load whole, where they are asked for: on rank 0.
+    """
+
+    def __init__(self, inner: Any, backend: str, target: str) -> None:
+        self._inner = inner
+        self._backend = backend
+        self._target = target  # the model to shard, once; any other load (a draft model) is whole, on rank 0
+        self._sharded = False
+        self._group: mx.distributed.Group | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def group(self) -> mx.distributed.Group:
+        if self._group is None:
+            try:
+                self._group = mx.distributed.init(backend=self._backend, strict=self._backend != "any")
+            except RuntimeError as exc:
+                raise ModelUnavailable(
+                    message=f"--distributed {self._backend}: no group to join ({exc}); start every rank with "
+                    f"mlx.launch --backend {self._backend} (e.g. -n 2 for two local ranks, --hostfile for machines)"
+                ) from exc
+        return self._group
+
+    def load_target(self, name: str) -> Any:
+        import attrs
+
+        loaded = self._inner.load_target(name)
+        if name != self._target or self._sharded:
+            return loaded
+        self._sharded = True
+        group = self.group
+        model = shard(loaded.handle, group)
+        target = MlxTargetModel(model)
+        channel = Channel(group)
+        if group.rank() != 0:
+            try:
+                serve_worker(target, channel)
+            except RuntimeError:  # rank 0 is gone: nothing left to follow
+                raise SystemExit(1) from None
+            raise SystemExit(0)
+        mirrored = MirroredTarget(target, channel)
+        atexit.register(_stop_quietly, mirrored)
+        return attrs.evolve(loaded, target=mirrored, identity=f"{loaded.identity}+tp{group.size()}")
+
+
+def _stop_quietly(target: MirroredTarget) -> None:
+    with contextlib.suppress(ModelUnavailable):
+        target.stop()
 
 
 def serve_worker(target: MlxTargetModel, channel: Channel) -> int:

@@ -38,6 +38,12 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
     p.add_argument(
+        "--distributed",
+        choices=("ring", "jaccl", "mpi", "nccl", "any"),
+        help="shard the target over the processes `mlx.launch` started, with this mx.distributed backend; rank 0 "
+        "runs the command, the other ranks follow it (no prefix cache, one request at a time)",
+    )
+    p.add_argument(
         "--prefix-cache-bytes",
         help="memory for cached prompt prefixes: bytes, 512M, 2G (0: reuse only what the model still holds; "
         "auto: 1/4 free)",
@@ -73,6 +79,7 @@ MODEL_FLAGS = (
     "confidence_threshold",
     "trust_remote_code",
     "cache_dir",
+    "distributed",
     "prefix_cache_bytes",
     "prefix_cache_dir",
     "log_level",

@@ -77,3 +77,38 @@ def test_a_worker_that_dies_mid_request_ends_it_with_a_clear_error_and_a_restart
     assert rank0["after"] == rank0["error"]  # later calls fail fast with the same error
     rank0, _ = launch(tmp_path / "b", "llama")  # a fresh start serves again
     assert rank0["runs"]["lookup"] == rank0["runs"]["plain"]
+
+
+def generate(tmp: Path, model: Path, *flags: str, ranks: int = 0) -> dict[str, Any]:
+    cli = [str(Path(sys.executable).with_name("mlx-dspark")), "generate", "--model", str(model), "--json"]
+    cli += ["--no-chat-template", "--prompt", "hello world hello world", "--max-tokens", "30"]
+    cli += ["--cache-dir", str(tmp / "cache"), *flags]
+    if ranks:
+        cli = [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable, *cli]
+    done = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=240, cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("{")]  # rank 0 alone prints
+    return json.loads(line)
+
+
+def test_the_cli_generates_on_two_ranks_what_one_process_does(tmp_path: Path) -> None:
+    from tests.integration.families.test_family_checkpoints import write_checkpoint
+    from tests.integration.hf.tiny_models import vocabulary
+
+    vocab = len(vocabulary())  # the tokenizer's ids all have rows
+    model = write_checkpoint(tmp_path / "tiny", "llama", tiny_model("llama", 0, vocab_size=vocab), vocab_size=vocab)
+    alone = generate(tmp_path, model, "--mode", "baseline")
+    # The draft model (the target itself, whole, on rank 0) drafts right: every round verifies a block.
+    flags = ("--mode", "draft", "--draft-model", str(model), "--distributed", "ring")
+    sharded = generate(tmp_path, model, *flags, ranks=2)
+    assert sharded["token_ids"] == alone["token_ids"] and sharded["generated_tokens"] == 30
+    assert sharded["accepted"] > 0 and sharded["cached_prompt_tokens"] == 0  # speculated; no prefix cache
+
+
+def test_distributed_without_a_launcher_is_refused_in_words(tmp_path: Path) -> None:
+    cli = [str(Path(sys.executable).with_name("mlx-dspark")), "generate", "--model", "default", "--prompt", "hi"]
+    cli += ["--distributed", "ring", "--cache-dir", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    done = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 1
+    assert "mlx.launch --backend ring" in done.stderr
