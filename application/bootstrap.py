@@ -122,6 +122,13 @@ def draft_reference_decoder(draft: LoadedModel, num_draft: int) -> ReferenceDeco
     return MlxLmDraftReference(draft, num_draft)
 
 
+def distributed_report(model: LoadedModel) -> dict[str, Any] | None:
+    """The backend, ranks and measured call round trip of a target sharded with `--distributed`, else None."""
+    from mlx_dspark.adapters.mlx.distributed import MirroredTarget
+
+    return model.target.describe() if isinstance(model.target, MirroredTarget) else None
+
+
 def embedded_models() -> EmbeddedModels:
     """The models shipped as pinned data-only wheels (`install-default`, `--model NAME`)."""
     from mlx_dspark.adapters.hf.default_models import EmbeddedModelWheels

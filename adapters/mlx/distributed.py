@@ -19,7 +19,9 @@ import atexit
 import contextlib
 import enum
 import functools
+import statistics
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +47,7 @@ class Op(enum.IntEnum):
     COMMIT = 6
     TAKE_FEATURES = 7
     CAPTURE = 8
+    PING = 9
 
 
 def shard(model: Any, group: mx.distributed.Group) -> Any:
@@ -135,6 +138,7 @@ class MirroredTarget:
         self._channel = channel
         self.lost: str | None = None
         self._stopped = False
+        self.backend = "any"
 
     def __getattr__(self, name: str) -> Any:  # read-only properties and helpers of the local target
         return getattr(self._target, name)
@@ -214,6 +218,25 @@ class MirroredTarget:
         raise NotImplementedError("a distributed target keeps no prefix-cache states (they are per rank)")
 
     @_guarded
+    def ping(self, repeats: int = 20) -> float:
+        """Median seconds of one call's round trip to every rank (a header all-reduce and its host sync): the
+        link cost each mirrored call pays on top of the shard's compute."""
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._channel.header([Op.PING])
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def describe(self) -> dict[str, Any]:
+        """What `doctor` shows: the backend, the ranks and the measured call round trip."""
+        return {
+            "backend": self.backend,
+            "ranks": self._channel.group.size(),
+            "call_round_trip_us": round(self.ping() * 1e6, 1),
+        }
+
+    @_guarded
     def stop(self) -> None:
         """Release the other ranks' `serve_worker` loops (once)."""
         if not self._stopped:
@@ -269,6 +292,7 @@ class DistributedLoader:
                 raise SystemExit(1) from None
             raise SystemExit(0)
         mirrored = MirroredTarget(target, channel)
+        mirrored.backend = self._backend
         atexit.register(_stop_quietly, mirrored)
         return attrs.evolve(loaded, target=mirrored, identity=f"{loaded.identity}+tp{group.size()}")
 
@@ -310,3 +334,5 @@ def serve_worker(target: MlxTargetModel, channel: Channel) -> int:
             target.commit(h[1])
         elif op is Op.TAKE_FEATURES:
             target.take_features()
+        elif op is Op.PING:
+            pass

@@ -149,6 +149,9 @@ def main(argv: Sequence[str]) -> int:
             bar = ProgressBar(quiet=as_json)
             bar.note(f"loading {settings.model.model} to time a step, verifies and drafters")
             model = services.loader.load_target(settings.model.model)
+            distributed = bootstrap.distributed_report(model)
+            if distributed is not None:
+                report["distributed"] = distributed
             candidates = auto_candidates(services.loader, settings, model, bar.note if not as_json else progress_line)
             sources = {name: src for name, src in candidates.items() if src is not None}
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -164,6 +167,12 @@ def main(argv: Sequence[str]) -> int:
         lines = []
         if "verify_ms" in report:
             lines.append(f"model         {report['model']}")
+            if "distributed" in report:
+                d = report["distributed"]
+                lines.append(
+                    f"distributed   {d['ranks']} ranks over {d['backend']}: a call's round trip to every rank "
+                    f"{d['call_round_trip_us']} us (steps and verifies below include it)"
+                )
             lines.extend(cost_lines(report))
             if report["runtime"]["blas"] == "reference":
                 lines.append(

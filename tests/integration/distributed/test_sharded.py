@@ -112,3 +112,18 @@ def test_distributed_without_a_launcher_is_refused_in_words(tmp_path: Path) -> N
     done = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 1
     assert "mlx.launch --backend ring" in done.stderr
+
+
+def test_doctor_reports_the_ranks_the_backend_and_a_call_round_trip(tmp_path: Path) -> None:
+    from tests.integration.families.test_family_checkpoints import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "tiny", "llama", tiny_model("llama", 0))
+    cli = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable]
+    cli += [str(Path(sys.executable).with_name("mlx-dspark")), "doctor", "--json", "--model", str(model)]
+    cli += ["--mode", "lookup", "--distributed", "ring", "--cache-dir", str(tmp_path / "cache")]
+    done = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout[done.stdout.index("{") :])  # rank 0 alone prints the report
+    assert report["distributed"]["ranks"] == 2 and report["distributed"]["backend"] == "ring"
+    assert report["distributed"]["call_round_trip_us"] > 0
+    assert report["model"].endswith("+tp2")  # its own calibration: the costs include the link
