@@ -122,6 +122,18 @@ def draft_reference_decoder(draft: LoadedModel, num_draft: int) -> ReferenceDeco
     return MlxLmDraftReference(draft, num_draft)
 
 
+def follow_rank_zero(services: Services, settings: Settings) -> bool:
+    """On a rank other than 0 of `--distributed`: load the target's shard and follow rank 0's calls until it
+    stops (the process then ends). False at once on rank 0 and without `--distributed`: run the command."""
+    from mlx_dspark.adapters.mlx.distributed import DistributedLoader
+
+    loader = services.loader
+    if not isinstance(loader, DistributedLoader) or loader.group.rank() == 0:
+        return False
+    loader.load_target(settings.model.model)  # serves rank 0, then ends the process
+    return True
+
+
 def distributed_report(model: LoadedModel) -> dict[str, Any] | None:
     """The backend, ranks and measured call round trip of a target sharded with `--distributed`, else None."""
     from mlx_dspark.adapters.mlx.distributed import MirroredTarget

@@ -31,7 +31,7 @@ from mlx_dspark.adapters.mlx.acceptance import as_q_rows
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.domain.drafting.block import DraftBlock
-from mlx_dspark.domain.errors import ModelUnavailable
+from mlx_dspark.domain.errors import IncompatibleDrafter, ModelUnavailable
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.outcome import Acceptance
 
@@ -255,8 +255,8 @@ class DistributedLoader:
     def __init__(self, inner: Any, backend: str, target: str) -> None:
         self._inner = inner
         self._backend = backend
-        self._target = target  # the model to shard, once; any other load (a draft model) is whole, on rank 0
-        self._sharded = False
+        self._target = target  # the model to shard; any other load (a draft model) is whole, on rank 0
+        self._loaded: Any = None
         self._group: mx.distributed.Group | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -277,10 +277,13 @@ class DistributedLoader:
     def load_target(self, name: str) -> Any:
         import attrs
 
+        if name == self._target and self._loaded is not None:  # a reload (the engine restarting)
+            if self._loaded.target.lost is not None:
+                raise ModelUnavailable(message=self._loaded.target.lost)
+            return self._loaded
         loaded = self._inner.load_target(name)
-        if name != self._target or self._sharded:
+        if name != self._target:
             return loaded
-        self._sharded = True
         group = self.group
         model = shard(loaded.handle, group)
         target = MlxTargetModel(model)
@@ -294,7 +297,15 @@ class DistributedLoader:
         mirrored = MirroredTarget(target, channel)
         mirrored.backend = self._backend
         atexit.register(_stop_quietly, mirrored)
-        return attrs.evolve(loaded, target=mirrored, identity=f"{loaded.identity}+tp{group.size()}")
+        self._loaded = attrs.evolve(loaded, target=mirrored, identity=f"{loaded.identity}+tp{group.size()}")
+        return self._loaded
+
+    def draft_model_source(self, draft: Any) -> Any:
+        if isinstance(draft.target, MirroredTarget):
+            raise IncompatibleDrafter(
+                message="the draft model cannot be the sharded target itself: give --draft-model another model"
+            )
+        return self._inner.draft_model_source(draft)
 
 
 def _stop_quietly(target: MirroredTarget) -> None:

@@ -57,6 +57,8 @@ def main(argv: Sequence[str]) -> int:
 
         settings = settings_from(args)
         services = start(settings)
+        if bootstrap.follow_rank_zero(services, settings):  # --distributed, rank > 0: no server of its own
+            return 0
         server = settings.server
         if server.host not in LOOPBACK and not server.api_key:
             sys.stderr.write(f"mlx-dspark: warning: serving on {server.host} without --api-key\n")

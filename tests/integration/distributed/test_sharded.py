@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,8 +99,9 @@ def test_the_cli_generates_on_two_ranks_what_one_process_does(tmp_path: Path) ->
     vocab = len(vocabulary())  # the tokenizer's ids all have rows
     model = write_checkpoint(tmp_path / "tiny", "llama", tiny_model("llama", 0, vocab_size=vocab), vocab_size=vocab)
     alone = generate(tmp_path, model, "--mode", "baseline")
-    # The draft model (the target itself, whole, on rank 0) drafts right: every round verifies a block.
-    flags = ("--mode", "draft", "--draft-model", str(model), "--distributed", "ring")
+    # The draft model (a copy of the target, whole, on rank 0) drafts right: every round verifies a block.
+    twin = shutil.copytree(model, tmp_path / "twin")
+    flags = ("--mode", "draft", "--draft-model", str(twin), "--distributed", "ring")
     sharded = generate(tmp_path, model, *flags, ranks=2)
     assert sharded["token_ids"] == alone["token_ids"] and sharded["generated_tokens"] == 30
     assert sharded["accepted"] > 0 and sharded["cached_prompt_tokens"] == 0  # speculated; no prefix cache
@@ -127,3 +129,58 @@ def test_doctor_reports_the_ranks_the_backend_and_a_call_round_trip(tmp_path: Pa
     assert report["distributed"]["ranks"] == 2 and report["distributed"]["backend"] == "ring"
     assert report["distributed"]["call_round_trip_us"] > 0
     assert report["model"].endswith("+tp2")  # its own calibration: the costs include the link
+
+
+def test_serve_on_two_ranks_answers_what_one_process_generates(tmp_path: Path) -> None:
+    import signal
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tests.integration.families.test_family_checkpoints import write_checkpoint
+    from tests.integration.hf.tiny_models import vocabulary
+
+    vocab = len(vocabulary())
+    model = write_checkpoint(tmp_path / "tiny", "llama", tiny_model("llama", 0, vocab_size=vocab), vocab_size=vocab)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable]
+    cli += [str(Path(sys.executable).with_name("mlx-dspark")), "serve", "--model", str(model), "--mode", "lookup"]
+    cli += ["--distributed", "ring", "--port", str(port), "--warmup", "off", "--cache-dir", str(tmp_path / "cache")]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(cli, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            f"{base}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        body = {"model": str(model), "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 24}
+        sharded = post(body)
+        # One process, plain decoding, the same chat through the same family codec.
+        cli = [str(Path(sys.executable).with_name("mlx-dspark")), "generate", "--model", str(model), "--json"]
+        cli += ["--prompt", "hello world", "--max-tokens", "24", "--mode", "baseline"]
+        cli += ["--cache-dir", str(tmp_path / "cache")]
+        done = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        alone = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{")))
+        assert sharded["choices"][0]["message"]["content"] == alone["text"]
+        assert sharded["usage"]["completion_tokens"] == alone["generated_tokens"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
