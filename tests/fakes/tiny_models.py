@@ -23,7 +23,8 @@ EMBED_GAIN = 0.25
 # The seed families (README's family table), each in its published layout's structure at tiny sizes.
 # "qwen3_ternary" is a Qwen3 with ternary weights in MLX's 2-bit format (PrismML's Ternary Bonsai layout).
 SEED_FAMILIES = (
-    "gemma4_text", "lfm2", "muse_glimmer", "minicpm", "nemotron_h", "qwen3_next", "qwen3_ternary", "bitnet",
+    "gemma4_text", "lfm2", "lfm2_moe", "muse_glimmer", "minicpm", "nemotron_h", "qwen3_next", "qwen3_5_moe",
+    "qwen3_ternary", "bitnet",
 )  # fmt: skip
 TERNARY_GROUP = 32
 MODEL_TYPE = {"qwen3_ternary": "qwen3"}  # families that are another model type's layout
@@ -42,6 +43,8 @@ STATE = {
     "qwen3_5": "recurrent",
     "qwen3_next": "recurrent",
     "qwen3_ternary": "kv",
+    "qwen3_5_moe": "recurrent",
+    "lfm2_moe": "recurrent",
     "bitnet": "kv",
     "lfm2": "recurrent",
     "nemotron_h": "recurrent",
@@ -210,6 +213,28 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Qwen3.6-35B-A3B's layout: the Qwen3.5 hybrid with routed and shared experts in every layer.
+CONFIGS["qwen3_5_moe"] = {
+    "text_config": {
+        **CONFIGS["qwen3_5"]["text_config"],
+        "model_type": "qwen3_5_moe_text",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    }
+}
+# LFM2.5-8B-A1B's layout: LFM2's conv/attention pattern with dense first layers, then routed experts.
+CONFIGS["lfm2_moe"] = {
+    **{k: v for k, v in CONFIGS["lfm2"].items() if not k.startswith("block_")},
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "use_expert_bias": True,
+    "num_dense_layers": 1,
+}
 CONFIGS["qwen3_ternary"] = {**CONFIGS["qwen3"], "quantization": {"group_size": TERNARY_GROUP, "bits": 2}}
 # BitNet b1.58 (microsoft/bitnet-b1.58-2B-4T's layout): BitLinear projections, packed 4 ternary weights a byte.
 CONFIGS["bitnet"] = {
