@@ -20,15 +20,13 @@ import pytest
 
 from mlx_dspark.adapters.mlx.drafters import DSparkDraftSource, load_drafter
 from mlx_dspark.adapters.mlx.drafters.config import parse_dspark
-from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftContext
 from mlx_dspark.domain.errors import ModelUnavailable
-from mlx_dspark.domain.tokens import FinishReason, StopRule
 from tests.fakes.tiny_models import hf_config
 from tests.integration.drafters import helpers
-from tests.integration.drafters.test_decode import run
-from tests.integration.families.test_family_suite import echo_prompt, transitions
-from tests.integration.mlx.test_target_greedy import PROMPTS, model, reference
+from tests.integration.drafters.test_loading import edit, retensor
+from tests.integration.families.test_family_suite import assert_decodes_as_plain, transitions
+from tests.integration.mlx.test_target_greedy import model
 
 FAMILY = "gemma4_text"
 EPS = 1e-6
@@ -50,20 +48,6 @@ K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 2}
 def write(tmp: Path, name: str, **kw: Any) -> Path:
     overrides = kw.pop("text", K_EQ_V)
     return helpers.write_gemma4_dspark(tmp / name, model(FAMILY), text_config(**overrides), **kw)
-
-
-def edit_config(path: Path, change: Any) -> Path:
-    cfg = json.loads((path / "config.json").read_text())
-    change(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
-def edit_tensors(path: Path, change: Any) -> Path:
-    tensors = dict(mx.load(str(path / "model.safetensors")))
-    change(tensors)
-    mx.save_safetensors(str(path / "model.safetensors"), tensors)
-    return path
 
 
 # ---------------------------------------------------------------- (a) loading, strict names
@@ -96,10 +80,10 @@ def test_a_gemma4_dspark_checkpoint_loads_in_its_published_layout(tmp_path: Path
 
 def test_a_missing_or_extra_tensor_is_refused_by_name(tmp_path: Path) -> None:
     target = model(FAMILY)
-    missing = edit_tensors(write(tmp_path, "m"), lambda t: t.pop("layers.1.layer_scalar"))
+    missing = retensor(write(tmp_path, "m"), lambda t: t.pop("layers.1.layer_scalar"))
     with pytest.raises(ModelUnavailable, match=r"missing tensors: layers\.1\.layer_scalar"):
         load_drafter("dspark", str(missing), target, bits=0)
-    no_post_ff = edit_tensors(write(tmp_path, "p"), lambda t: t.pop("layers.0.post_feedforward_layernorm.weight"))
+    no_post_ff = retensor(write(tmp_path, "p"), lambda t: t.pop("layers.0.post_feedforward_layernorm.weight"))
     with pytest.raises(ModelUnavailable, match=r"missing tensors: layers\.0\.post_feedforward_layernorm\.weight"):
         load_drafter("dspark", str(no_post_ff), target, bits=0)
 
@@ -107,14 +91,14 @@ def test_a_missing_or_extra_tensor_is_refused_by_name(tmp_path: Path) -> None:
         t["layers.0.self_attn.v_proj.weight"] = t["layers.0.self_attn.k_proj.weight"]
         t["layers.0.self_attn.v_norm.weight"] = mx.ones((32,))
 
-    extra = edit_tensors(write(tmp_path, "x"), add_v)
+    extra = retensor(write(tmp_path, "x"), add_v)
     with pytest.raises(
         ModelUnavailable,
         match=r"unexpected tensors: layers\.0\.self_attn\.v_norm\.weight, layers\.0\.self_attn\.v_proj\.weight",
     ):
         load_drafter("dspark", str(extra), target, bits=0)
     # Without k=v a checkpoint lacking v_proj is refused too.
-    no_v = edit_tensors(write(tmp_path, "n", text={}), lambda t: t.pop("layers.1.self_attn.v_proj.weight"))
+    no_v = retensor(write(tmp_path, "n", text={}), lambda t: t.pop("layers.1.self_attn.v_proj.weight"))
     with pytest.raises(ModelUnavailable, match=r"missing tensors: layers\.1\.self_attn\.v_proj\.weight"):
         load_drafter("dspark", str(no_v), target, bits=0)
 
@@ -126,7 +110,7 @@ def test_double_wide_mlp_layers_follow_the_gemma4_rule(tmp_path: Path) -> None:
     source = load_drafter("dspark", str(path), model(FAMILY), bits=0)
     widths = [layer.mlp.gate_proj.weight.shape[0] for layer in source.drafter.layers]
     assert widths == [128, 256, 256]
-    narrow = edit_tensors(
+    narrow = retensor(
         write(tmp_path, "n", text=text, layers=3),
         lambda t: t.update(
             {k: v[:128] if "gate" in k or "up" in k else v[:, :128] for k, v in t.items() if "layers.2.mlp" in k}
@@ -148,7 +132,7 @@ def test_gemma4_variants_the_reference_cannot_run_are_refused_in_words(tmp_path:
         (lambda c: c.update(markov_head_type="rnn"), "'rnn' is not supported"),
     ]
     for i, (change, message) in enumerate(cases):
-        path = edit_config(write(tmp_path, f"r{i}"), change)
+        path = edit(write(tmp_path, f"r{i}"), change)
         with pytest.raises(ModelUnavailable, match=message):
             load_drafter("dspark", str(path), target, bits=0)
 
@@ -161,19 +145,7 @@ def test_greedy_decoding_with_a_gemma4_dspark_drafter_equals_plain_decoding(tmp_
     n = len(m.layers)
     path = write(tmp_path, "d", layer_ids=(0, n - 1), block_size=6, bigrams=transitions(FAMILY))
     source = load_drafter("dspark", str(path), m, bits=0)
-    accepted = drafted = 0
-    for p_index, prompt in enumerate((PROMPTS[0], PROMPTS[1], PROMPTS[2], echo_prompt(FAMILY))):
-        want = reference(FAMILY, prompt)
-        for c_index, cap in enumerate((1, 3, source.max_block)):
-            budget = (40, 23, 7, 1)[(p_index + c_index) % 4]
-            got, rounds, fin = run(
-                m, list(prompt), StopRule(max_tokens=budget), source=source, cap_policy=FixedCap(cap)
-            )
-            assert got == list(want[:budget]), (prompt, cap)
-            assert fin.reason is FinishReason.LENGTH and fin.usage.generated_tokens == budget
-            assert all(r.drafted <= cap for r in rounds)
-            accepted += sum(r.accepted for r in rounds)
-            drafted += sum(r.drafted for r in rounds)
+    drafted, accepted = assert_decodes_as_plain(FAMILY, m, source)
     assert drafted > 0 and accepted > 0
 
 
