@@ -104,6 +104,17 @@ def main() -> None:
                 runs[name].append(tokens)
                 rounds[name].append(len(rs))
             seconds[name] = time.perf_counter() - start
+        # Sampled: rank 0 draws every uniform and sends it with the call, so every rank accepts alike.
+        sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+
+        def sampled_run() -> list[int]:
+            stop, cap = StopRule(max_tokens=30), FixedCap(4)
+            events = decode(
+                mirrored, list(PROMPTS[0]), sampled, stop, FakeClock(), source=sources["lookup"], cap_policy=cap
+            )
+            return collect(events)[0]
+
+        report["sampled"] = [sampled_run(), sampled_run()]
         mirrored.stop()
         report.update(runs=runs, rounds=rounds, seconds=seconds)
     report["cached_ids"] = list(target.cached_ids)

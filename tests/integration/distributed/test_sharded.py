@@ -66,7 +66,9 @@ def test_sharded_decoding_equals_one_machine_and_speculation_equals_sharded_plai
         assert [len(r) for r in runs] == list(rank_main.BUDGETS), mode
     assert sum(rank0["rounds"]["lookup"]) < sum(rank0["rounds"]["plain"])  # drafts were accepted: fewer rounds
     assert rank1["served"] > sum(rank0["rounds"]["plain"])  # the worker made every call
-    assert rank0["cached_ids"] == rank1["cached_ids"]  # both ranks committed the same rows
+    first, again = rank0["sampled"]
+    assert first == again and len(first) == 30  # a seed gives the same sampled tokens through the shards
+    assert rank0["cached_ids"] == rank1["cached_ids"]  # both ranks committed the same rows, sampled ones too
     print("\nseconds per mode, 2 ranks over loopback:", {k: round(v, 2) for k, v in rank0["seconds"].items()})
 
 
