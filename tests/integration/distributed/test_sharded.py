@@ -55,7 +55,7 @@ def one_machine(family: str) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3"])  # llama: the CLI and serve tests below
 def test_sharded_decoding_equals_one_machine_and_speculation_equals_sharded_plain(tmp_path: Path, family: str) -> None:
     rank0, rank1 = launch(tmp_path, family)
     assert (rank0["size"], rank1["size"]) == (2, 2)
