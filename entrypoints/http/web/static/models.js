@@ -41,7 +41,9 @@
       const kvLayers = s.kv_layers ?? s.layers;
       const hybrid = s.state_layers ? `, ${s.state_layers} recurrent (state ${fmtBytes(s.state_bytes)})` : "";
       const moe = r.active_weights < r.weights ? `, ${fmtBytes(r.active_weights)} read per token (MoE)` : "";
-      $("fit-usable").textContent = `${r.model_type || "model"}: ${s.layers} layers (${kvLayers} with KV${hybrid}), ` +
+      // Only hybrids say how many layers hold KV; a plain transformer's all do.
+      const split = kvLayers !== s.layers || hybrid ? ` (${kvLayers} with KV${hybrid})` : "";
+      $("fit-usable").textContent = `${r.model_type || "model"}: ${s.layers} layers${split}, ` +
         `${s.kv_heads} KV heads × ${s.head_dim}, ${s.bits ? s.bits + "-bit" : (s.dtype || "?")} weights${moe}; ` +
         `download ${fmtBytes(r.download_bytes)}; usable memory ${fmtBytes(r.usable.bytes)} (${r.usable.source})`;
       for (const row of r.rows) {
