@@ -53,6 +53,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # gpu_bench and gpu_distill: their loaders and the transformers stub
+sys.path.insert(1, str(HERE.parent))  # tests.near_ties
 
 
 def _package_from_checkout() -> None:
@@ -123,9 +124,11 @@ from mlx_dspark.application.warmup import warm_up
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
+from mlx_dspark.domain.drafting.selection import Selection
 from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from tests import near_ties  # the lab's near-tie reading (mlx, numpy and attrs only)
 
 try:  # the decode loop moves into application.engine (issue 26's rewrite); either tree runs this
     from mlx_dspark.application.engine import decode
@@ -136,6 +139,10 @@ SCHEMA = "mlx-dspark/device-bench/1"
 GREEDY = SamplingParams()
 PLAIN = "baseline"
 MODES = (PLAIN, "lookup", "dspark", "dflash", "auto")
+# A/B for auto's plain rounds (not in the default list): plain decoding under a switcher that never moves, so the
+# target records features every step as it does inside auto. Against PLAIN in the same run it prices the capture
+# and the per-round switcher call; what auto's baseline rounds lose beyond that is the arbiter's doing.
+PLAIN_CAPTURE = "baseline-capture"
 SHIPPED = HERE.parent / "adapters" / "hf" / "drafters_data" / "default"
 PROMPTS_FILE = "bench_prompts.json"
 ROUND_TIME = "wall time between rounds minus the oracle's propose (what remains: the real verify, commit, the loop)"
@@ -477,14 +484,64 @@ def bench_prompts(model_dir: Path, tokenizer: BenchTokenizer) -> dict[str, Any]:
 
 
 class _NullTelemetry:
-    """Keeps auto's moves (SourceSwitched: old, new, reason) of the request running now; nothing else."""
+    """Keeps auto's moves (SourceSwitched: old, new, reason) and the rounds (RoundFinished) of the request
+    running now; nothing else."""
 
     def __init__(self) -> None:
         self.switches: list[str] = []
+        self.rounds: list[Any] = []
 
     def emit(self, request_id: str, event: Any) -> None:
         if type(event).__name__ == "SourceSwitched":
             self.switches.append(f"{event.old}->{event.new}: {event.reason}")
+        elif isinstance(event, RoundFinished):
+            self.rounds.append(event)
+
+
+def divergence_report(
+    module: Any, prompt: Sequence[int], plain: Sequence[int], spec: Sequence[int], rounds: Sequence[Any]
+) -> dict[str, Any] | None:
+    """Where a greedy output parts from plain decoding's, and whether that is a near-tie of the target
+    (tests/near_ties.py: both forwards re-run, the gap against the dtype's rounding bound); None when equal."""
+    i = first_divergence(plain, spec)
+    if i is None:
+        return None
+    out: dict[str, Any] = {
+        "index": i,
+        "tokens": [plain[i] if i < len(plain) else None, spec[i] if i < len(spec) else None],
+    }
+    if i >= min(len(plain), len(spec)) or i < 1:
+        out["near_tie"] = False
+        out["why"] = "one output stopped early" if i >= 1 else "the prefill's token differs"
+        return out
+    try:
+        width, row, history = near_ties.locate(rounds, i)
+        tie = near_ties.near_tie(
+            module,
+            list(prompt) + list(plain[:i]),
+            (plain[i], spec[i]),
+            width,
+            row=row,
+            prompt_len=len(prompt),
+            rounds=history,
+        )
+    except Exception as exc:  # report, never lose the bench
+        out["near_tie"] = None
+        out["why"] = repr(exc)
+        return out
+    out.update(
+        near_tie=tie.holds,
+        reproduced=tie.reproduced,
+        width=tie.width,
+        row=tie.row,
+        step_gap=tie.step.gap,
+        verify_gap=tie.verify.gap,
+        bound=tie.step.bound,
+        spread_ulps=tie.spread_ulps,
+        error_ulps=tie.error_ulps,
+        describe=tie.describe(),
+    )
+    return out
 
 
 class _MemoryCalibrations:
@@ -498,6 +555,25 @@ class _MemoryCalibrations:
 
     def save(self, key: Any, calibration: Any) -> None:
         self._items[key] = calibration
+
+
+class _Stay:
+    """A SourceSwitcher that never moves: its request records features as an auto request does."""
+
+    def after_round(self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0) -> None:
+        return None
+
+
+class _StaySelector:
+    """Plain decoding under `_Stay` (the PLAIN_CAPTURE mode)."""
+
+    mode = PLAIN_CAPTURE
+
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        return Selection(name=PLAIN, source=None, switcher=_Stay())
+
+    def finished(self, selection: Selection, usage: Any) -> None:
+        return None
 
 
 class _Clock:
@@ -618,7 +694,7 @@ def run_real(
 
     clock, telemetry = _Clock(), _NullTelemetry()
     greedy = SamplingParams()
-    order = [m for m in modes if m in (PLAIN, "auto") or m in sources]
+    order = [m for m in modes if m in (PLAIN, PLAIN_CAPTURE, "auto") or m in sources]
     order.sort(key=lambda m: m != PLAIN)
     per_mode: dict[str, Any] = {}
     runs: list[BenchRun] = []
@@ -626,9 +702,12 @@ def run_real(
     def brief(p: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
         return {**_brief(p, r), "switches": list(telemetry.switches)}
 
+    rounds_of: dict[tuple[str, Any], list[Any]] = {}  # (mode, prompt id) -> the seen-once run's rounds
+
     def request(service: GenerationService, p: dict[str, Any]) -> GenerationResult:
         target.reset(0)
         telemetry.switches.clear()
+        telemetry.rounds = []
         return service.generate(
             GenerationRequest(prompt=list(p["ids"]), max_tokens=max_tokens, sampling=greedy, prefix_cache=False)
         )
@@ -661,6 +740,15 @@ def run_real(
                 for r in runs
                 if r.mode == mode and r.prompt_id in base
             }
+            if mode != PLAIN:
+                m.setdefault("divergences", {})
+                for r in runs:
+                    if r.mode != mode or r.prompt_id not in base or r.prompt_id in m["divergences"]:
+                        continue
+                    ids = next(p["ids"] for p in seen_set if p["id"] == r.prompt_id)
+                    m["divergences"][r.prompt_id] = divergence_report(
+                        module, ids, base[r.prompt_id], r.token_ids, rounds_of.get((mode, r.prompt_id), [])
+                    )
         doc["device_bench"] = {
             "schema": SCHEMA,
             "dtype": dtype,
@@ -709,6 +797,8 @@ def run_real(
                 entry["race_tok_s"] = dict(choice.rates)
                 entry["race_winner"] = choice.mode
                 log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
+            elif mode == PLAIN_CAPTURE:
+                service = GenerationService(model, selector=_StaySelector(), clock=clock, telemetry=telemetry)
             else:
                 src = sources.get(mode)
                 factory = None if src is None else cap_policy_factory(max_draft, None, src.max_block)
@@ -737,6 +827,7 @@ def run_real(
                     entry[key].append(brief(p, r))
                     if key == "seen_once":
                         runs.append(_run_record(mode, p, r))
+                        rounds_of[(mode, p["id"])] = telemetry.rounds
             log(f"{mode}: seen once {[round(x['decode_tok_s'], 1) for x in entry['seen_once']]} tok/s")
             if mode == "auto":
                 for x in entry["new_to_mode"] + entry["seen_once"]:
@@ -1275,24 +1366,26 @@ def real_table(doc: dict[str, Any]) -> str:
         "",
         "| mode | first request | seen once (min-median-max) | warm | x plain (seen once) | accepted/round "
         "| round ms | host ms | readback ms | drafter device ms (profiled) | verify device ms (profiled) "
-        "| same as plain |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| same as plain | divergences near-tie |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for mode, m in bench.get("modes", {}).items():
         if "error" in m:
-            lines.append(f"| {mode} | error: {m['error'][:80]} |" + " |" * 11)
+            lines.append(f"| {mode} | error: {m['error'][:80]} |" + " |" * 12)
             continue
         seen = m.get("seen_once_decode_tok_s") or {}
         mk = (m.get("marked") or {}).get("breakdown", {})
         pf = (m.get("profiled") or {}).get("breakdown", {})
         same = m.get("identical_to_plain") or {}
+        parted = [d for d in (m.get("divergences") or {}).values() if d is not None]
+        ties = f"{sum(d.get('near_tie') is True for d in parted)}/{len(parted)}" if parted else "-"
         lines.append(
             f"| {mode} | {_f((m.get('first_request') or {}).get('decode_tok_s'), '.1f')} "
             f"| {_f(seen.get('min'), '.1f')}-{_f(seen.get('median'), '.1f')}-{_f(seen.get('max'), '.1f')} "
             f"| {_f((m.get('warm') or {}).get('decode_tok_s'), '.1f')} | {_f(speed.get(mode, {}).get('speedup'))} "
             f"| {_f(speed.get(mode, {}).get('mean_accepted'))} | {_ms(mk.get('round_s'))} | {_ms(mk.get('host_s'))} "
             f"| {_ms(mk.get('readback_s'))} | {_ms(pf.get('drafter_device_s'))} | {_ms(pf.get('readback_s'))} "
-            f"| {sum(same.values())}/{len(same)} |"
+            f"| {sum(same.values())}/{len(same)} | {ties} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -277,6 +277,49 @@ def test_with_warmup_each_mode_runs_the_servers_warm_up_before_its_first_request
     assert all("error" not in m and m["first_request"]["generated_tokens"] > 0 for m in modes.values())
 
 
+def test_plain_under_a_switcher_records_features_and_decodes_as_plain(
+    bench: ModuleType, tiny_export: dict[str, Path], tmp_path: Path
+) -> None:
+    # The A/B for auto's plain rounds: the same plain steps with the target recording features every step.
+    out = tmp_path / "real.json"
+    args = ["real", "--model", str(tiny_export["model"]), "--model-dtype", "float32", "--max-tokens", "8"]
+    args += ["--prompts", "2", "--modes", "baseline,baseline-capture,dspark", "--dspark", str(tiny_export["dspark"])]
+    assert bench.main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    modes = doc["device_bench"]["modes"]
+    assert list(modes) == ["baseline", "baseline-capture", "dspark"]
+    assert all("error" not in m for m in modes.values())
+    capture = modes["baseline-capture"]
+    assert all(capture["identical_to_plain"].values()) and all(v is None for v in capture["divergences"].values())
+    rounds = capture["marked"]["breakdown"]["rounds"]
+    assert rounds == capture["marked"]["generated_tokens"] - 1  # one plain step a round, no draft
+    assert set(modes["dspark"]["divergences"]) == set(modes["dspark"]["identical_to_plain"])
+
+
+def test_a_divergence_is_located_and_read_as_a_near_tie_or_not(bench: ModuleType, tiny_export: dict[str, Path]) -> None:
+    module = bench.load_module(tiny_export["model"], "float32")
+    target = bench.MlxTargetModel(module)
+    prompt = [5, 9, 13, 17, 21]
+    plain = [target.prefill(prompt, bench.SamplingParams(), 0.5)]
+    for _ in range(7):
+        plain.append(target.verify(plain[-1], bench.EMPTY_BLOCK, bench.SamplingParams(), (0.5,)).next_token)
+        target.commit(1)
+    assert bench.divergence_report(module, prompt, plain, list(plain), []) is None
+    # A token plain decoding did not choose, at index 4 of rounds of one step each: no near-tie, not reproduced.
+    spec = plain[:4] + [(plain[4] + 1) % 64] + plain[5:]
+    rounds = [
+        bench.RoundFinished(
+            index=i, source="none", cap=0, drafted=0, accepted=0, committed=1, draft_s=0.0, verify_s=0.0, depth=0
+        )
+        for i in range(7)
+    ]
+    report = bench.divergence_report(module, prompt, plain, spec, rounds)
+    assert report is not None and report["index"] == 4 and report["tokens"] == [plain[4], spec[4]]
+    assert report["width"] == 1 and report["row"] == 0
+    assert report["reproduced"] is False and report["near_tie"] is False
+    assert bench.divergence_report(module, prompt, plain, plain[:3], rounds)["why"] == "one output stopped early"
+
+
 # The GPU host has MLX, mlx-lm and their own dependencies, attrs and numpy; not these, nor an installed mlx_dspark.
 BARE_HOST = """
 import runpy, sys
