@@ -4,7 +4,8 @@ ceiling (every plain token reads every weight once); plain and speculative tok/s
 Speculation verifies several tokens per weight read, so it can beat the plain ceiling; `vs_ceiling` says by
 how much. KV-cache reads are left out of the bytes per token (small at the short prompts measured here).
 Plain decoding cannot beat its own ceiling: when it measures above it, or the bandwidth samples spread
-widely (a busy machine), the result carries a warning saying which figure is not to be trusted.
+widely (a busy machine), or a lane's repeated runs do (each lane's tok/s is the median of its runs alone),
+the result carries a warning saying which figure is not to be trusted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from mlx_dspark.application.dashboard.modes import ModeSet
 from mlx_dspark.application.dashboard.ports import MachineProbe
-from mlx_dspark.application.dashboard.race import LaneDone, race
+from mlx_dspark.application.dashboard.race import NOISE_SPREAD, LaneDone, LaneTiming, RaceStatus, race
 from mlx_dspark.application.generation import GenerationService
 
 SPREAD_WARN = 1.5  # slowest / fastest bandwidth sample above which the machine was busy while measuring
@@ -30,26 +31,35 @@ def measure(
     *,
     max_tokens: int = 48,
     bandwidth_bytes: int = 256 << 20,
+    repeats: int = 2,
 ) -> Iterator[dict[str, Any]]:
-    """Engine-thread job: status lines, then one result {bandwidth, model_bytes, ceiling_tok_s, lanes}."""
+    """Engine-thread job: status lines, then one result {bandwidth, model_bytes, ceiling_tok_s, lanes}; each
+    lane's tok/s is the median of `repeats` runs alone, its spread beside it."""
     for mode in ("baseline", *lanes):  # fail before the benchmark when a mode cannot run here
         modes.get(served, mode)
     yield {"type": "status", "text": "measuring memory bandwidth (MLX copy)"}
     bw = probe.bandwidth(bandwidth_bytes)
     model_bytes = probe.model_bytes(served.model.handle)
     ceiling = bw["bytes_per_s"] / model_bytes if model_bytes else 0.0
+    accepted: dict[str, float] = {}
     results = []
-    for event in race(modes, served, PROMPT, lanes, max_tokens=max_tokens):
+    for event in race(modes, served, PROMPT, lanes, max_tokens=max_tokens, repeats=repeats):
         if isinstance(event, LaneDone):
+            accepted[event.mode] = event.mean_accepted
+        elif isinstance(event, LaneTiming):
             results.append(
                 {
                     "mode": event.mode,
-                    "tok_s": event.tok_s,
-                    "mean_accepted": event.mean_accepted,
-                    "vs_ceiling": event.tok_s / ceiling if ceiling else 0.0,
+                    "tok_s": event.median,
+                    "samples_tok_s": list(event.samples),
+                    "spread": event.spread,
+                    "mean_accepted": accepted.get(event.mode, 0.0),
+                    "vs_ceiling": event.median / ceiling if ceiling else 0.0,
                 }
             )
-            yield {"type": "status", "text": f"{event.mode}: {event.tok_s:.1f} tok/s"}
+            yield {"type": "status", "text": f"{event.mode}: {event.median:.1f} tok/s (median of {len(event.samples)})"}
+        elif isinstance(event, RaceStatus):
+            yield {"type": "status", "text": event.text}
     samples = [float(t) for t in bw.get("samples_s") or () if t > 0]
     spread = max(samples) / min(samples) if samples else 1.0
     yield {
@@ -74,6 +84,11 @@ def warnings(spread: float, lanes: Sequence[dict[str, Any]]) -> list[str]:
             "is unreliable; measure again when it is idle"
         )
     for lane in lanes:
+        if lane.get("spread", 0.0) > NOISE_SPREAD:
+            out.append(
+                f"{lane['mode']}'s runs spread {lane['spread']:.0%} of their median: its tok/s is noise; measure "
+                "again when the machine is idle"
+            )
         if lane["mode"] == "baseline" and lane["vs_ceiling"] > ABOVE_CEILING_WARN:
             out.append(
                 f"plain decoding measured {lane['vs_ceiling']:.2f}x its own ceiling, which it cannot reach: the "

@@ -13,6 +13,7 @@ from mlx_dspark.application.engine.thread import (
     EngineThread,
     Restart,
     RowsFactory,
+    SideBySide,
 )
 from mlx_dspark.domain.decoder import Draft, Prefill, RequestDecoder, Verify, Work
 
@@ -36,6 +37,7 @@ __all__ = [
     "RowsBackend",
     "RowsFactory",
     "SerialRows",
+    "SideBySide",
     "StepJob",
     "Task",
     "Verify",

@@ -189,14 +189,28 @@ class Engine:
     def migrations(self) -> int:
         return int(self.backend.stats.get("migrations", 0))
 
-    def admit(self, task: Task) -> None:
-        """Start `task` on a row of its own (its prompt's checks, prefix reuse and prefill plan run now)."""
+    def admit(self, task: Task, service: GenerationService | None = None) -> None:
+        """Start `task` on a row of its own (its prompt's checks, prefix reuse and prefill plan run now).
+
+        Args:
+            task: the job.
+            service: the task's own service over the engine's target (a race lane's mode) instead of the
+                engine's; its draft sources are forked per row as the engine's are, so it must fork when rows
+                share the batch.
+        """
         if task.cancelled:
             task.push(JobEnded())
             return
         if self.full:
             raise RuntimeError("the engine is full")
-        self._start(task, lambda row: task.start(self._row_service(row), lambda item: task.push(JobItem(item))))
+        chosen = service or self.service
+        if chosen is not None and service is not None and self._forks and not forkable(service):
+            raise ValueError(f"mode {service.mode} cannot fork its draft sources, so it cannot share the batch")
+
+        def make(row: Row) -> StepJob:
+            return task.start(self._row_service(row, chosen), lambda item: task.push(JobItem(item)))
+
+        self._start(task, make)
 
     def _start(self, task: Task | _Alone, make: Callable[[Row], StepJob]) -> None:
         active = _Active(task, self.backend.open())
@@ -208,12 +222,12 @@ class Engine:
         # The request's own errors (context too long, a template that cannot render) fail it alone.
         self._then(active, start)
 
-    def _row_service(self, row: Row) -> GenerationService:
-        """The engine's service over `row`; a speculative mode's with the request's own source fork."""
-        assert self.service is not None
-        selector = self.service.selector
+    def _row_service(self, row: Row, service: GenerationService | None) -> GenerationService:
+        """`service` over `row`; a speculative mode's with the request's own source fork."""
+        assert service is not None
+        selector = service.selector
         if not self._forks:
-            return self.service.on_target(row)  # type: ignore[arg-type]
+            return service.on_target(row)  # type: ignore[arg-type]
 
         def own(root: DraftSource) -> DraftSource:
             fork: DraftSource = root.fork()  # type: ignore[attr-defined]
@@ -224,9 +238,9 @@ class Engine:
             # Auto's own rule per request over its forks. While rows share the batch the plan sets their caps
             # and they stay on their sources (a shared tick is no source's own round); alone, auto decides.
             view = selector.lane_view(own, policy=self.plan.gated, hold=lambda: self.plan.deciding)
-            return self.service.on_target(row, selector=view)  # type: ignore[arg-type]
+            return service.on_target(row, selector=view)  # type: ignore[arg-type]
         if not isinstance(selector, FixedSelector) or selector.source is None:
-            return self.service.on_target(row)  # type: ignore[arg-type]
+            return service.on_target(row)  # type: ignore[arg-type]
         source = own(selector.source)
         factory = selector.policy_factory
 
@@ -234,7 +248,7 @@ class Engine:
             return factory() if factory is not None else FixedCap(source.max_block)
 
         lane = _LaneSelector(selector.name, source, policy, self.plan.gated)
-        return self.service.on_target(row, selector=lane)  # type: ignore[arg-type]
+        return service.on_target(row, selector=lane)  # type: ignore[arg-type]
 
     # ---- the step ------------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -66,6 +66,15 @@ _CAUSE_CHARS = 300  # a cause is shown on /health: bounded
 _CRASH_WINDOW_S = 60.0
 _CRASHES_BEFORE_RELOAD = 3  # failures within the window after which the model is loaded again
 _WAKE = object()  # puts the idle engine thread to work on the quick lane
+
+
+@attrs.frozen
+class SideBySide:
+    """Requests of several services as rows of one batch: a private step engine over the served target's
+    batched rows, or why they cannot share one (`engine` None)."""
+
+    engine: Engine | None
+    reason: str = ""
 
 
 class EngineJob(Generic[T]):
@@ -344,9 +353,7 @@ class EngineThread:
                 return
             finally:
                 self._ready.set()
-            _log.info(
-                "engine.ready", model=generator.model.name, mode=generator.mode, max_batch=self._engine.max_batch
-            )
+            _log.info("engine.ready", model=generator.model.name, mode=generator.mode, max_batch=self._engine.max_batch)
             while True:
                 try:
                     self._serve()
@@ -521,6 +528,30 @@ class EngineThread:
             max_batch=self._max_batch if rows is not None else 1,
             observe_forwards=True,
         )
+
+    def side_by_side(self, services: Sequence[GenerationService]) -> SideBySide:
+        """A private step engine whose rows decode requests of `services` (modes over the served model) together,
+        each task admitted with its own service (`Engine.admit(task, service)`); or why they cannot.
+
+        Runs on this thread inside an exclusive job (a race), while the server's own rows are idle: the private
+        engine opens its own batched rows over the same target and closes them when its tasks end.
+        """
+        if self._max_batch < 2 or self._rows is None:
+            return SideBySide(None, "the server decodes one request at a time (max batch 1)")
+        if not services:
+            return SideBySide(None, "nothing to decode")
+        target = services[0].model.target
+        for service in services:
+            if service.model.target is not target:
+                return SideBySide(None, f"mode {service.mode} decodes another model")
+            if not forkable(service):
+                return SideBySide(None, f"mode {service.mode} cannot give each row its own draft source")
+        speculative = any(speculates(s) for s in services)
+        rows = self._rows(target, speculative)
+        if rows is None:
+            kind = "speculative decoding" if speculative else "decoding"
+            return SideBySide(None, f"the target's caches have no batched form for {kind}")
+        return SideBySide(Engine(rows, services[0], max_batch=self._max_batch, report_steps=False))
 
     def _drain(self) -> None:
         """Answer every queued job once the thread is ending, so no caller waits forever."""

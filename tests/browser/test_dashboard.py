@@ -139,6 +139,10 @@ def test_a_race_reads_identical(page: Any, app: App) -> None:
     lines = page.locator("#verdict-lines div").all_inner_texts()
     assert [line.split()[0] for line in lines] == ["lookup", "dflash", "dspark"]
     assert all(" x plain, " not in line and "x plain, identical" in line for line in lines), lines
+    # The page says how the lanes ran, and each lane's solo timing (median of the runs, min-max) shows.
+    assert page.locator("#race-layout").inner_text().startswith("lanes run ")
+    for lane in ("baseline", "lookup", "dflash", "dspark"):
+        assert "median of 2" in page.locator(f"#lane-{lane} .timing").inner_text()
     screenshot(page, "race-verdict")
 
 

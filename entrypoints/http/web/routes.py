@@ -432,9 +432,14 @@ async def run_race(request: Request[Any, Any, Any]) -> Stream:
     prompt = str(body.get("prompt") or "")
     lanes = _names(body, "modes", [])
     max_tokens = _whole(body, "max_tokens", 64)
-    modes = d.modes
-    # Exclusive: the lanes' timings must not share the machine with batched rows.
-    job = ctx.engine.submit(lambda g: race.race(modes, g, prompt, lanes, max_tokens=max_tokens), exclusive=True)
+    repeats = _whole(body, "repeats", 2, most=race.MAX_REPEATS)
+    modes, engine = d.modes, ctx.engine
+    # Exclusive: the lanes share a private batch of their own, and their solo timings the machine with nothing.
+    job = engine.submit(
+        lambda g: race.race(modes, g, prompt, lanes, max_tokens=max_tokens, repeats=repeats,
+                            side_by_side=engine.side_by_side),
+        exclusive=True,
+    )  # fmt: skip
     return job_stream(job, lambda ev: [race.as_json(ev)])
 
 
@@ -445,10 +450,11 @@ async def run_roofline(request: Request[Any, Any, Any]) -> Stream:
     lanes = _names(body, "modes", ["lookup"])
     size = _whole(body, "bandwidth_mib", 256, most=MAX_BANDWIDTH_MIB) << 20
     max_tokens = _whole(body, "max_tokens", 48)
+    repeats = _whole(body, "repeats", 2, most=race.MAX_REPEATS)
     modes, probe = d.modes, d.probe
     job = ctx.engine.submit(
         lambda g: roofline.measure(modes, g, probe, lanes, max_tokens=max_tokens,
-                                   bandwidth_bytes=size),
+                                   bandwidth_bytes=size, repeats=repeats),
         exclusive=True,
     )  # fmt: skip
     return job_stream(job, lambda ev: [ev])

@@ -99,11 +99,23 @@ def test_race_checks_token_ids_and_reports_identical(web: WebServer) -> None:
     verdict = events[-1]
     assert verdict["type"] == "verdict" and verdict["identical"] is True
     (lane,) = verdict["lanes"]
-    speedup = done["lookup"]["tok_s"] / done["baseline"]["tok_s"]
-    summary = f"lookup {speedup:.2f}x plain, identical"
-    assert lane == {"mode": "lookup", "identical": True, "divergence": None, "expected": None, "got": None,
-                    "context": "", "speedup": speedup, "summary": summary}  # fmt: skip
+    # The scripted target has no batched rows: the lanes ran one after another, and the stream said why.
+    assert events[0] == {"type": "layout", "side_by_side": False,
+                         "reason": "the target's caches have no batched form for speculative decoding",
+                         "text": "lanes run one after another: the target's caches have no batched form for "
+                                 "speculative decoding"}  # fmt: skip
+    # The speedup is the ratio of the lanes' solo medians, two runs each by default.
+    timing = {e["mode"]: e for e in events if e["type"] == "timing"}
+    assert [len(t["samples"]) for t in timing.values()] == [2, 2]
+    speedup = timing["lookup"]["median"] / timing["baseline"]["median"]
+    assert lane["speedup"] == speedup and lane["summary"].startswith(f"lookup {speedup:.2f}x plain, identical")
+    assert {k: lane[k] for k in ("identical", "divergence", "expected", "got", "context")} == {
+        "identical": True, "divergence": None, "expected": None, "got": None, "context": ""}  # fmt: skip
     assert all(d["seconds"] > 0 for d in done.values())
+    events = post_stream(
+        web.base_url, "/ui/api/race", {"prompt": "Go.", "modes": ["lookup"], "max_tokens": 6, "repeats": 3}
+    )
+    assert [len(e["samples"]) for e in events if e["type"] == "timing"] == [3, 3]
 
 
 def test_race_refuses_an_unavailable_mode_in_the_stream(web: WebServer) -> None:
@@ -113,7 +125,8 @@ def test_race_refuses_an_unavailable_mode_in_the_stream(web: WebServer) -> None:
 
 @pytest.mark.parametrize("path", ["/ui/api/race", "/ui/api/roofline"])
 @pytest.mark.parametrize(
-    "bad", [{"max_tokens": "many"}, {"max_tokens": 0}, {"max_tokens": True}, {"modes": 3}, {"modes": [1]}]
+    "bad",
+    [{"max_tokens": "many"}, {"max_tokens": 0}, {"max_tokens": True}, {"modes": 3}, {"modes": [1]}, {"repeats": 6}],
 )
 def test_race_and_roofline_refuse_malformed_fields_with_a_400(web: WebServer, path: str, bad: dict[str, Any]) -> None:
     r = httpx.post(web.base_url + path, json={"prompt": "Go.", "modes": ["lookup"], **bad}, timeout=30)
