@@ -1,12 +1,16 @@
 """`mlx-dspark top`: a terminal gauge of a running server — tok/s, model memory, queue, acceptance.
 
-Reads the dashboard's /ui/api/status (the numbers the web header shows), with the same API key rule.
+Reads the dashboard's /ui/api/status (the numbers the web header shows), with the same API key rule. The tok/s
+bar's full scale is the 1-2-5 step above the highest of the peak seen, the served model's plain decoding rate and
+its roofline ceiling (the server knows those once a race or a roofline has measured them; they are marked on the
+bar), so it moves only when a reading crosses a step, and the scale is printed under the bar.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -40,12 +44,37 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} {units[i]}" if i == 0 or n >= 100 else f"{n:.1f} {units[i]}"
 
 
+def full_scale(value: float) -> float:
+    """The 1-2-5 step at or above `value` (1, 2, 5, 10, 20, 50…); 10 when nothing has run yet."""
+    if value <= 0:
+        return 10.0
+    decade = 10.0 ** math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        if step * decade >= value * (1 - 1e-9):
+            return step * decade
+    return 10 * decade
+
+
+def bar(shown: float, full: float, marks: dict[str, float]) -> str:
+    """BAR cells filled up to `shown` of `full`, with each mark's character at its value."""
+    filled = min(BAR, round(BAR * shown / full)) if shown else 0
+    cells = ["█"] * filled + ["·"] * (BAR - filled)
+    for char, value in marks.items():
+        cells[min(BAR - 1, int(BAR * value / full))] = char
+    return "".join(cells)
+
+
 def render(status: dict[str, Any], peak_tok_s: float) -> str:
     """One screen of the gauge (plain text; no colour so it reads the same in a log)."""
     live = float(status.get("live_tok_s") or 0.0)
     shown = live or float(status.get("last_tok_s") or 0.0)
-    scale = max(peak_tok_s, shown, 1e-9)
-    filled = round(BAR * shown / scale) if shown else 0
+    plain = float(status.get("plain_tok_s") or 0.0)
+    ceiling = float(status.get("ceiling_tok_s") or 0.0)
+    full = full_scale(max(peak_tok_s, shown, plain, ceiling))
+    marks = {char: value for char, value in (("│", plain), ("┆", ceiling)) if value}
+    refs = {"│ plain decoding": plain, "┆ roofline ceiling": ceiling}
+    named = "   ".join(f"{name} {value:.1f}" for name, value in refs.items() if value)
+    scale = f"scale   0-{full:g} tok/s   " + (named or "(a race or a roofline marks plain decoding on it)")
     totals = status.get("totals") or {}
     drafted = totals.get("drafted", 0)
     acceptance = f"{100 * totals.get('accepted', 0) / drafted:.1f}%" if drafted else "—"
@@ -53,7 +82,8 @@ def render(status: dict[str, Any], peak_tok_s: float) -> str:
     state = "ready" if status.get("ready") else ("error: " + str(status["error"]) if status.get("error") else "loading")
     lines = [
         f"mlx-dspark  {status.get('model')}  mode {status.get('mode')}  [{state}]",
-        f"tok/s   {'█' * filled}{'·' * (BAR - filled)} {shown:7.1f} {'live' if live else 'last request'}",
+        f"tok/s   {bar(shown, full, marks)} {shown:7.1f} {'live' if live else 'last request'}",
+        scale,
         f"memory  model {_bytes(status.get('model_bytes') or 0)}   MLX active {_bytes(memory.get('active', 0))}"
         f"   peak {_bytes(memory.get('peak', 0))}",
         f"queue   {status.get('queue_depth', 0)} waiting   {status.get('active_requests', 0)} decoding",

@@ -216,6 +216,9 @@ async def status(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "last_tok_s": last.get("tok_s", 0.0),
         "active_requests": snap.get("active_requests", 0),
         "model_bytes": _model_bytes(request),
+        # What the served model's tok/s reads against (`top`'s scale): measured by a race or a roofline, else null.
+        "plain_tok_s": d.plain_tok_s.get(engine.generator.model.identity) if engine.ready else None,
+        "ceiling_tok_s": d.ceiling_tok_s.get(engine.generator.model.identity) if engine.ready else None,
         "memory": d.probe.memory_in_use(),
         "totals": snap.get("totals", {}),
     }
@@ -436,8 +439,8 @@ async def run_race(request: Request[Any, Any, Any]) -> Stream:
     modes, engine = d.modes, ctx.engine
     # Exclusive: the lanes share a private batch of their own, and their solo timings the machine with nothing.
     job = engine.submit(
-        lambda g: race.race(modes, g, prompt, lanes, max_tokens=max_tokens, repeats=repeats,
-                            side_by_side=engine.side_by_side),
+        lambda g: d.remember_race(g, race.race(modes, g, prompt, lanes, max_tokens=max_tokens, repeats=repeats,
+                                               side_by_side=engine.side_by_side)),
         exclusive=True,
     )  # fmt: skip
     return job_stream(job, lambda ev: [race.as_json(ev)])
@@ -453,8 +456,8 @@ async def run_roofline(request: Request[Any, Any, Any]) -> Stream:
     repeats = _whole(body, "repeats", 2, most=race.MAX_REPEATS)
     modes, probe = d.modes, d.probe
     job = ctx.engine.submit(
-        lambda g: roofline.measure(modes, g, probe, lanes, max_tokens=max_tokens,
-                                   bandwidth_bytes=size, repeats=repeats),
+        lambda g: d.remember_roofline(g, roofline.measure(modes, g, probe, lanes, max_tokens=max_tokens,
+                                                          bandwidth_bytes=size, repeats=repeats)),
         exclusive=True,
     )  # fmt: skip
     return job_stream(job, lambda ev: [ev])

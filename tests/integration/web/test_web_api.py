@@ -244,6 +244,9 @@ def test_top_prints_the_gauge_of_a_running_server(web: WebServer, capsys: pytest
     out = capsys.readouterr().out
     assert "local-model" in out and "mode baseline" in out and "[ready]" in out
     assert "tok/s" in out and "last request" in out and "acceptance" in out and "%" in out
+    # The race measured plain decoding alone: the server says so, and top's scale marks and names it.
+    plain = httpx.get(web.base_url + "/ui/api/status").json()["plain_tok_s"]
+    assert plain > 0 and f"│ plain decoding {plain:.1f}" in out and "scale   0-" in out
     assert top.main(["--url", "http://127.0.0.1:9", "--once"]) == 1
     assert "cannot reach" in capsys.readouterr().err
 
