@@ -206,13 +206,13 @@ def _verdict(
     plain, lane = timings["baseline"], timings[mode]
     speedup = lane.median / plain.median if plain.median else 0.0
     spread = max(lane.spread, plain.spread)
-    noise = {"speedup": speedup, "spread": spread, "noisy": lane.noisy or plain.noisy}
+    timed = LaneVerdict(mode=mode, identical=True, speedup=speedup, spread=spread, noisy=lane.noisy or plain.noisy)
     reference = results["baseline"].token_ids
     at, expected, got = compare(reference, results[mode].token_ids)
     if at is None:
-        return LaneVerdict(mode=mode, identical=True, **noise)
+        return timed
     context = served.model.tokenizer.decode(list(reference[max(0, at - 8) : at]))
-    return LaneVerdict(mode=mode, identical=False, divergence=at, expected=expected, got=got, context=context, **noise)
+    return attrs.evolve(timed, identical=False, divergence=at, expected=expected, got=got, context=context)
 
 
 def _done(mode: str, r: GenerationResult) -> LaneDone:
