@@ -11,6 +11,7 @@ noisy. The verdict compares greedy token ids with plain decoding's: identical, o
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -175,12 +176,13 @@ def race(
     results: dict[str, GenerationResult] = {}
     samples: dict[str, list[float]] = {mode: [] for mode in generators}
     if engine is not None:
-        for event in _together(engine, generators, request):
-            if isinstance(event, _Finished):
-                results[event.mode] = event.result
-                yield _done(event.mode, event.result)
-            else:
-                yield event
+        with contextlib.closing(_together(engine, generators, request)) as together:  # a cancelled race ends its rows
+            for event in together:
+                if isinstance(event, _Finished):
+                    results[event.mode] = event.result
+                    yield _done(event.mode, event.result)
+                else:
+                    yield event
     else:  # one after another: each run is a solo run, so it is also the first timing sample
         for mode, gen in generators.items():
             for item in gen.stream(request()):

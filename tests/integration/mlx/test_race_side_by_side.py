@@ -172,3 +172,26 @@ def test_one_request_at_a_time_runs_the_lanes_one_after_another() -> None:
         side_by_side=False, reason="the server decodes one request at a time (max batch 1)"
     )
     assert isinstance(events[-1], RaceVerdict) and events[-1].identical
+
+
+def test_a_race_closed_mid_way_ends_its_rows() -> None:
+    """A client that leaves closes the race's iterator: the lanes still decoding end and their rows close."""
+    by_mode = lanes(helpers.tiny_target("qwen3", 2), "qwen3", helpers.VOCAB, dspark=False)
+    thread = EngineThread(lambda: by_mode["baseline"], max_batch=4, rows=mlx_rows)  # its batches, not its thread
+    made: list[Any] = []
+
+    def side_by_side(services: Sequence[GenerationService]) -> Any:
+        made.append(thread.side_by_side(services))
+        return made[-1]
+
+    events = race(Modes(by_mode), by_mode["baseline"], PROMPT, ["lookup"], max_tokens=24, side_by_side=side_by_side)  # type: ignore[arg-type]
+    seen = set()
+    for event in events:
+        if isinstance(event, LaneText) and event.token_ids:
+            seen.add(event.mode)
+        if seen == {"baseline", "lookup"}:
+            break
+    engine = made[0].engine
+    assert engine.active == 2
+    events.close()
+    assert engine.active == 0
