@@ -85,7 +85,12 @@ def _default_loader(settings: Settings) -> ModelLoader:
     if settings.model.distributed:
         from mlx_dspark.adapters.mlx.distributed import DistributedLoader
 
-        return DistributedLoader(HfModelLoader(settings.model), settings.model.distributed, settings.model.model)
+        return DistributedLoader(
+            HfModelLoader(settings.model),
+            settings.model.distributed,
+            settings.model.model,
+            rank_timeout=settings.model.rank_timeout,
+        )
     return HfModelLoader(settings.model)
 
 

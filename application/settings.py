@@ -36,6 +36,9 @@ class ModelSettings:
     distributed: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(("ring", "jaccl", "mpi", "nccl", "any")))
     )
+    # With `distributed`: the most rank 0 waits for the other ranks in one call before it gives the group up as
+    # lost (a hung rank); <= 0 waits forever.
+    rank_timeout: float = 60.0
 
 
 @attrs.frozen(kw_only=True)

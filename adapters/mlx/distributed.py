@@ -11,6 +11,10 @@ The channel is `all_sum` itself: rank 0 contributes the message, the others zero
 once so that every rank runs them in one order. A drafter's on-device block is therefore summed (not read back)
 before the verify that uses it. Prefix-cache states are per rank and are not mirrored: a distributed target
 serves without the prefix cache.
+
+A rank that dies breaks the ring's sockets and the next collective raises at once. A rank that hangs would block
+rank 0's all-reduces forever, so rank 0 makes its target calls on a link thread and waits at most the rank timeout
+(`--rank-timeout`, 60 s): the request then ends with a clear error and every later call fails fast.
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ import atexit
 import contextlib
 import enum
 import functools
+import os
+import queue
 import statistics
 import struct
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,6 +75,72 @@ def _float_bits(x: float) -> int:
 
 def _bits_float(i: int) -> float:
     return float(struct.unpack("<f", struct.pack("<i", int(i)))[0])
+
+
+class RankTimeout(RuntimeError):
+    """A collective did not complete in time: some rank hung, or is far behind."""
+
+
+class _Link:
+    """Runs rank 0's target calls on a thread of their own, so the engine waits a bounded time.
+
+    A hung peer blocks an all-reduce inside the backend (a call's header, or the shard's own all-reduces inside
+    a forward), where nothing can interrupt it. Every call, collectives and forwards alike, runs on this one
+    thread, in the order the engine makes them (so in the other ranks' order: the ring pairs all-reduces by
+    order); the engine gives up after `timeout_s` and abandons the stuck thread (a daemon), and every later
+    call fails fast, since the group is lost either way. MLX evaluates a graph on the thread that built it: array
+    arguments are evaluated on the caller's thread first, array results on this one before they are handed back.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="mlx-dspark-link", daemon=True)
+        self._thread.start()
+        self.stuck = False
+        atexit.register(self._exit_if_stuck)
+
+    def _exit_if_stuck(self) -> None:
+        # A thread blocked inside the backend would hold the interpreter's teardown: end the process now.
+        if self.stuck:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(1)
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        if self.stuck:
+            raise RankTimeout("an earlier collective never completed")
+        box: list[Any] = []
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        if not done.wait(self.timeout_s):
+            self.stuck = True
+            raise RankTimeout(f"no answer from every rank within {self.timeout_s:g} s: a rank hung or is far behind")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
+def rank_timeout_s(value: float | None) -> float | None:
+    """The bound on one collective at rank 0: `value`, else $MLX_DSPARK_RANK_TIMEOUT, else 60 s; <= 0: none."""
+    if value is None:
+        raw = os.environ.get("MLX_DSPARK_RANK_TIMEOUT", "").strip()
+        value = float(raw) if raw else DEFAULT_RANK_TIMEOUT_S
+    return value if value > 0 else None
+
+
+DEFAULT_RANK_TIMEOUT_S = 60.0  # far above a forward's spread between ranks; far below "forever"
 
 
 class Channel:
@@ -120,7 +194,10 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
         if self.lost is not None:
             raise ModelUnavailable(message=self.lost)
         try:
-            return method(self, *args, **kwargs)
+            if self._link is None:
+                return method(self, *args, **kwargs)
+            _evaluate_inputs(args, kwargs)
+            return self._link.run(lambda: _evaluated(method(self, *args, **kwargs)))
         except RuntimeError as exc:
             self.lost = f"the distributed target lost a rank ({exc}); restart every rank to serve again"
             raise ModelUnavailable(message=self.lost) from exc
@@ -128,14 +205,46 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class MirroredTarget:
-    """Rank 0's TargetModel: each call goes to every other rank first, then runs on this rank's shard."""
+def _evaluate_inputs(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Finish a call's array arguments here (a drafter's on-device block and its q): see `_Link`."""
+    arrays: list[mx.array] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, DraftBlock):
+            if isinstance(value.pending, DeviceTokens):
+                arrays.append(value.pending.array)
+            if isinstance(value.q, mx.array):
+                arrays.append(value.q)
+        elif isinstance(value, mx.array):
+            arrays.append(value)
+    if arrays:
+        mx.eval(arrays)
 
-    def __init__(self, target: MlxTargetModel, channel: Channel) -> None:
+
+def _evaluated(value: Any) -> Any:
+    """A call's result with its arrays finished on the thread that built them (see `_Link`)."""
+    parts = value if isinstance(value, tuple) else (value,)
+    arrays = [p for p in parts if isinstance(p, mx.array)]
+    if arrays:
+        mx.eval(arrays)
+    return value
+
+
+class MirroredTarget:
+    """Rank 0's TargetModel: each call goes to every other rank first, then runs on this rank's shard.
+
+    Args:
+        target: this rank's shard.
+        channel: the group's call channel.
+        timeout_s: the most one call may wait for the other ranks (a hung rank); None waits forever.
+    """
+
+    def __init__(self, target: MlxTargetModel, channel: Channel, *, timeout_s: float | None = None) -> None:
         if channel.rank != 0:
             raise ValueError("the mirrored target runs on rank 0; the other ranks run serve_worker")
         self._target = target
         self._channel = channel
+        self._link = _Link(timeout_s) if timeout_s is not None and channel.group.size() > 1 else None
+        self.timeout_s = timeout_s if self._link is not None else None
         self.lost: str | None = None
         self._stopped = False
         self.backend = "any"
@@ -234,6 +343,7 @@ class MirroredTarget:
             "backend": self.backend,
             "ranks": self._channel.group.size(),
             "call_round_trip_us": round(self.ping() * 1e6, 1),
+            "rank_timeout_s": self.timeout_s,
         }
 
     @_guarded
@@ -252,9 +362,10 @@ class DistributedLoader:
     models (a draft model) load whole, where they are asked for: on rank 0.
     """
 
-    def __init__(self, inner: Any, backend: str, target: str) -> None:
+    def __init__(self, inner: Any, backend: str, target: str, *, rank_timeout: float | None = None) -> None:
         self._inner = inner
         self._backend = backend
+        self._timeout = rank_timeout_s(rank_timeout)  # rank 0's bound on one collective (None: unbounded)
         self._target = target  # the model to shard; any other load (a draft model) is whole, on rank 0
         self._loaded: Any = None
         self._group: mx.distributed.Group | None = None
@@ -294,7 +405,7 @@ class DistributedLoader:
             except RuntimeError:  # rank 0 is gone: nothing left to follow
                 raise SystemExit(1) from None
             raise SystemExit(0)
-        mirrored = MirroredTarget(target, channel)
+        mirrored = MirroredTarget(target, channel, timeout_s=self._timeout)
         mirrored.backend = self._backend
         atexit.register(_stop_quietly, mirrored)
         self._loaded = attrs.evolve(loaded, target=mirrored, identity=f"{loaded.identity}+tp{group.size()}")

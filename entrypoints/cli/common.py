@@ -44,6 +44,12 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
         "runs the command, the other ranks follow it (no prefix cache, one request at a time)",
     )
     p.add_argument(
+        "--rank-timeout",
+        type=float,
+        help="with --distributed: seconds rank 0 waits for the other ranks in one call before it ends the request "
+        "as a lost (hung) rank (default 60; 0 waits forever)",
+    )
+    p.add_argument(
         "--prefix-cache-bytes",
         help="memory for cached prompt prefixes: bytes, 512M, 2G (0: reuse only what the model still holds; "
         "auto: 1/4 free)",
@@ -80,6 +86,7 @@ MODEL_FLAGS = (
     "trust_remote_code",
     "cache_dir",
     "distributed",
+    "rank_timeout",
     "prefix_cache_bytes",
     "prefix_cache_dir",
     "log_level",

@@ -171,7 +171,8 @@ def main(argv: Sequence[str]) -> int:
                 d = report["distributed"]
                 lines.append(
                     f"distributed   {d['ranks']} ranks over {d['backend']}: a call's round trip to every rank "
-                    f"{d['call_round_trip_us']} us (steps and verifies below include it)"
+                    f"{d['call_round_trip_us']} us (steps and verifies below include it); a hung rank ends a "
+                    + (f"request after {d['rank_timeout_s']:g} s" if d.get("rank_timeout_s") else "request never")
                 )
             lines.extend(cost_lines(report))
             if report["runtime"]["blas"] == "reference":

@@ -1,6 +1,6 @@
 """One rank of the distributed suite, started by `mlx.launch --backend ring` (see test_sharded.py).
 
-argv: OUT_DIR FAMILY DSPARK_DIR DFLASH_DIR [chaos]. Every rank builds the same tiny model, keeps its
+argv: OUT_DIR FAMILY DSPARK_DIR DFLASH_DIR [chaos|hang]. Every rank builds the same tiny model, keeps its
 tensor-parallel shard and wraps it in an MlxTargetModel; rank 0 decodes each prompt in every mode through a
 MirroredTarget while the other ranks serve it; each rank then writes what it decoded and its cache's token ids.
 """
@@ -35,22 +35,28 @@ BUDGETS = (40, 23)
 DIE_AFTER = 30  # calls a worker serves in the chaos scenario before it dies
 
 
-def chaos(rank: int, target: MlxTargetModel, channel: Channel, report: dict[str, object]) -> None:
-    """Rank 1 dies after DIE_AFTER calls, mid-request; rank 0 must end that request with a clear error, fast,
-    and fail fast after it."""
+HANG_S = 12.0  # how long the hanging worker sleeps before it ends (so the launch itself ends)
+RANK_TIMEOUT_S = 2.0  # rank 0's bound in the hang scenario
+
+
+def chaos(rank: int, target: MlxTargetModel, channel: Channel, report: dict[str, object], hang: bool) -> None:
+    """Rank 1 dies (or, with `hang`, stops answering with its sockets open) after DIE_AFTER calls, mid-request;
+    rank 0 must end that request with a clear error, fast, and fail fast after it."""
     if rank != 0:
         header, calls = channel.header, [0]
 
         def dying(values: tuple[int, ...] = ()) -> list[int]:
             calls[0] += 1
             if calls[0] > DIE_AFTER:
+                if hang:
+                    time.sleep(HANG_S)
                 os._exit(0)
             return header(values)
 
         channel.header = dying  # type: ignore[method-assign]
         serve_worker(target, channel)
         return
-    mirrored = MirroredTarget(target, channel)
+    mirrored = MirroredTarget(target, channel, timeout_s=RANK_TIMEOUT_S if hang else None)
     events = decode(mirrored, [3, 17, 99], SamplingParams(), StopRule(max_tokens=500), FakeClock())
     start, got = time.perf_counter(), 0
     try:
@@ -72,9 +78,12 @@ def main() -> None:
     target = MlxTargetModel(model)
     channel = Channel(group)
     report: dict[str, object] = {"rank": rank, "size": group.size()}
-    if sys.argv[5:] == ["chaos"]:
-        chaos(rank, target, channel, report)
+    if sys.argv[5:] in (["chaos"], ["hang"]):
+        hang = sys.argv[5] == "hang"
+        chaos(rank, target, channel, report, hang)
         (out / f"rank{rank}.json").write_text(json.dumps(report))
+        if hang and rank == 0:  # its link thread is stuck in the hung all-reduce: end without waiting on it
+            os._exit(0)
         return
     if rank != 0:
         report["served"] = serve_worker(target, channel)

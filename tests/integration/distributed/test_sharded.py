@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,17 @@ def test_a_worker_that_dies_mid_request_ends_it_with_a_clear_error_and_a_restart
     assert rank0["after"] == rank0["error"]  # later calls fail fast with the same error
     rank0, _ = launch(tmp_path / "b", "llama")  # a fresh start serves again
     assert rank0["runs"]["lookup"] == rank0["runs"]["plain"]
+
+
+def test_a_worker_that_hangs_ends_the_request_after_the_rank_timeout(tmp_path: Path) -> None:
+    # Its sockets stay open, so no collective fails: only rank 0's bound on the wait ends the request.
+    start = time.perf_counter()
+    (rank0,) = [r for r in launch(tmp_path, "llama", 2, 120, "hang") if r["rank"] == 0]
+    assert "no answer from every rank within 2 s" in rank0["error"] and "restart every rank" in rank0["error"]
+    assert rank_main.RANK_TIMEOUT_S <= rank0["seconds"] < rank_main.RANK_TIMEOUT_S + 5  # bounded, not forever
+    assert 0 < rank0["tokens"] < 500  # it hung mid-request
+    assert rank0["after"] == rank0["error"]  # later calls fail fast with the same error
+    assert time.perf_counter() - start < 120
 
 
 def generate(tmp: Path, model: Path, *flags: str, ranks: int = 0) -> dict[str, Any]:
