@@ -79,6 +79,10 @@ class Reading:
         logits: the two tokens' logits (plain's, speculative's), as stored in the model's dtype.
         top: the forward's two highest-logit tokens, best first.
         in_top_two: no other token has a logit above the lower of the two.
+        margin: the forward's highest logit minus the lower of the two (their gap when they are its top two). Where
+            three or more tokens sit within rounding of each other (bf16 logits on one grid point), which two
+            of them the runs pick is rounding too: a near-tie needs the two within the bound of the top, not
+            the top two themselves.
         gap: |logits[0] - logits[1]|.
         ulp: the dtype's ulp at the larger magnitude of the two.
         bound: `rounding_bound` at that magnitude.
@@ -87,13 +91,14 @@ class Reading:
     logits: tuple[float, float]
     top: tuple[int, int]
     in_top_two: bool
+    margin: float
     gap: float
     ulp: float
     bound: float
 
     @property
     def near_tie(self) -> bool:
-        return self.in_top_two and self.gap <= self.bound
+        return self.margin <= self.bound and self.gap <= self.bound
 
 
 @attrs.frozen(kw_only=True)
@@ -141,8 +146,8 @@ class NearTie:
         s, v = self.step, self.verify
         return (
             f"{self.dtype} tokens {self.tokens} width {self.width} row {self.row}: "
-            f"step logits {s.logits} top {s.top} gap {s.gap:.4g} ({s.gap / s.ulp:.2f} ulp); "
-            f"verify logits {v.logits} top {v.top} gap {v.gap:.4g} ({v.gap / v.ulp:.2f} ulp); "
+            f"step logits {s.logits} top {s.top} gap {s.gap:.4g} ({s.gap / s.ulp:.2f} ulp) margin {s.margin:.4g}; "
+            f"verify logits {v.logits} top {v.top} gap {v.gap:.4g} ({v.gap / v.ulp:.2f} ulp) margin {v.margin:.4g}; "
             f"bound {s.bound:.4g}; spread {self.spread:.4g} ({self.spread_ulps:.2f} ulp)"
         )
 
@@ -308,6 +313,7 @@ def _reading(logits: np.ndarray, tokens: tuple[int, int], dtype: mx.Dtype, layer
         logits=(x, y),
         top=(int(order[0]), int(order[1])),
         in_top_two=bool(others.size == 0 or float(others.max()) <= min(x, y)),
+        margin=float(logits.max()) - min(x, y),
         gap=abs(x - y),
         ulp=ulp(dtype, magnitude),
         bound=rounding_bound(dtype, magnitude, layers),

@@ -95,7 +95,8 @@ def _check(model: Any, prompt: list[int], plain: list[int], spec: list[int], rou
 
 def _assert_near_tie(tie: Any, where: str) -> None:
     assert tie.reproduced, f"{where}: the re-runs do not choose what the runs chose: {tie.describe()}"
-    assert tie.step.in_top_two and tie.verify.in_top_two, f"{where}: not the top two: {tie.describe()}"
+    # Both tokens within rounding of the top in both forwards (the top two, or two of a closer cluster).
+    assert tie.step.margin <= tie.step.bound and tie.verify.margin <= tie.verify.bound, f"{where}: {tie.describe()}"
     assert tie.step.gap <= tie.step.bound and tie.verify.gap <= tie.verify.bound, f"{where}: {tie.describe()}"
     assert tie.spread_ulps <= tie.error_ulps, f"{where}: the forwards differ beyond the error model: {tie.describe()}"
 
