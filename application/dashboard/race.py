@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -259,7 +259,7 @@ class _Lane:
 
 def _together(
     engine: Engine, generators: dict[str, GenerationService], request: Callable[[], GenerationRequest]
-) -> Iterator[LaneText | _Finished]:
+) -> Generator[LaneText | _Finished, None, None]:
     """Every lane as a row of `engine`'s batch (lanes beyond its width join as others end), their text as it
     comes. Closing the iterator cancels the lanes still decoding and closes their rows."""
     lanes = [_Lane(mode, gen, request()) for mode, gen in generators.items()]

@@ -306,7 +306,7 @@ def test_a_divergence_is_located_and_read_as_a_near_tie_or_not(bench: ModuleType
         target.commit(1)
     assert bench.divergence_report(module, prompt, plain, list(plain), []) is None
     # A token plain decoding did not choose, at index 4 of rounds of one step each: no near-tie, not reproduced.
-    spec = plain[:4] + [(plain[4] + 1) % 64] + plain[5:]
+    spec = [*plain[:4], (plain[4] + 1) % 64, *plain[5:]]
     rounds = [
         bench.RoundFinished(
             index=i, source="none", cap=0, drafted=0, accepted=0, committed=1, draft_s=0.0, verify_s=0.0, depth=0
