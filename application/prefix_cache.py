@@ -167,7 +167,8 @@ class PrefixCache:
         return kept
 
     def _spill(self, tag: str, entry: CacheEntry) -> bool:
-        if self._store is None:
+        # A state held across several processes (a sharded target's) cannot be written to one file.
+        if self._store is None or not getattr(entry.handle, "spillable", True):
             return False
         disk = self._disk_index(tag)
         if any(e.serves(entry) for e in disk.entries()):

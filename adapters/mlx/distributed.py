@@ -9,8 +9,9 @@ the same acceptance decision and commits the same rows: a verify of a whole bloc
 
 The channel is `all_sum` itself: rank 0 contributes the message, the others zeros, each collective evaluated at
 once so that every rank runs them in one order. A drafter's on-device block is therefore summed (not read back)
-before the verify that uses it. Prefix-cache states are per rank and are not mirrored: a distributed target
-serves without the prefix cache.
+before the verify that uses it. A prefix-cache state is a slot every rank fills with its own shard's state
+(`MirroredState`); loading one loads each rank's, and a state the cache evicts is dropped on every rank at the
+next call.
 
 A rank that dies breaks the ring's sockets and the next collective raises at once. A rank that hangs would block
 rank 0's all-reduces forever, so rank 0 makes its target calls on a link thread and waits at most the rank timeout
@@ -23,6 +24,7 @@ import atexit
 import contextlib
 import enum
 import functools
+import itertools
 import os
 import queue
 import statistics
@@ -56,6 +58,9 @@ class Op(enum.IntEnum):
     TAKE_FEATURES = 7
     CAPTURE = 8
     PING = 9
+    SAVE = 10
+    LOAD = 11
+    DROP = 12
 
 
 def shard(model: Any, group: mx.distributed.Group) -> Any:
@@ -194,10 +199,15 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
         if self.lost is not None:
             raise ModelUnavailable(message=self.lost)
         try:
-            if self._link is None:
+
+            def run() -> Any:
+                self._send_drops()
                 return method(self, *args, **kwargs)
+
+            if self._link is None:
+                return run()
             _evaluate_inputs(args, kwargs)
-            return self._link.run(lambda: _evaluated(method(self, *args, **kwargs)))
+            return self._link.run(lambda: _evaluated(run()))
         except RuntimeError as exc:
             self.lost = f"the distributed target lost a rank ({exc}); restart every rank to serve again"
             raise ModelUnavailable(message=self.lost) from exc
@@ -245,6 +255,8 @@ class MirroredTarget:
         self._channel = channel
         self._link = _Link(timeout_s) if timeout_s is not None and channel.group.size() > 1 else None
         self.timeout_s = timeout_s if self._link is not None else None
+        self._slots = itertools.count(1)
+        self._dropped: list[int] = []  # slots of states the prefix cache let go, dropped on every rank next call
         self.lost: str | None = None
         self._stopped = False
         self.backend = "any"
@@ -318,13 +330,27 @@ class MirroredTarget:
 
     @property
     def state_tag(self) -> str:
-        return ""  # no tag: the prefix cache keeps nothing of a target whose states live on several ranks
+        tag = self._target.state_tag
+        return f"{tag};tp{self._channel.group.size()}" if tag else ""
 
-    def save_state(self) -> Any:
-        raise NotImplementedError("a distributed target keeps no prefix-cache states (they are per rank)")
+    @_guarded
+    def save_state(self) -> MirroredState:
+        slot = next(self._slots)
+        self._channel.header([Op.SAVE, slot])
+        local = self._target.save_state()
+        return MirroredState(slot, local, self._dropped)
 
+    @_guarded
     def load_state(self, state: Any, keep: int) -> int:
-        raise NotImplementedError("a distributed target keeps no prefix-cache states (they are per rank)")
+        # A state of another target (or a file) exists on this rank only: every rank loads nothing then.
+        mine = isinstance(state, MirroredState) and state.owner is self._dropped
+        self._channel.header([Op.LOAD, state.slot if mine else 0, keep])
+        return self._target.load_state(state.local if mine else None, keep)
+
+    def _send_drops(self) -> None:
+        while self._dropped:
+            batch = [self._dropped.pop() for _ in range(min(len(self._dropped), _HEADER - 2))]
+            self._channel.header([Op.DROP, len(batch), *batch])
 
     @_guarded
     def ping(self, repeats: int = 20) -> float:
@@ -419,15 +445,37 @@ class DistributedLoader:
         return self._inner.draft_model_source(draft)
 
 
+class MirroredState:
+    """A prefix-cache state of a distributed target: rank 0's own state, and the slot where every other rank keeps
+    its shard's. Sizes are rank 0's (each rank holds as much). It exists on several processes at once, so it is
+    never written to one file (`spillable`)."""
+
+    spillable = False
+
+    def __init__(self, slot: int, local: Any, owner: list[int]) -> None:
+        self.slot = slot
+        self.local = local
+        self.owner = owner  # the target's drop list: where this slot goes when the cache lets go of it
+        self.nbytes: int = local.nbytes
+        self.min_length: int = local.min_length
+        self.tokens = local.tokens
+
+    def __del__(self) -> None:
+        self.owner.append(self.slot)  # list.append is atomic: safe from a collector run on any thread
+
+
 def _stop_quietly(target: MirroredTarget) -> None:
     with contextlib.suppress(ModelUnavailable):
         target.stop()
 
 
-def serve_worker(target: MlxTargetModel, channel: Channel) -> int:
-    """Make rank 0's calls on this rank's shard until it says stop; returns the calls served."""
+def serve_worker(target: MlxTargetModel, channel: Channel, states: dict[int, Any] | None = None) -> int:
+    """Make rank 0's calls on this rank's shard until it says stop; returns the calls served.
+
+    `states` holds this rank's shard of each prefix-cache state rank 0 keeps, by slot (pass one to look in)."""
     vocab = target.vocab_size
     served = 0
+    states = {} if states is None else states
     while True:
         h = channel.header()
         op = Op(h[0])
@@ -456,5 +504,12 @@ def serve_worker(target: MlxTargetModel, channel: Channel) -> int:
             target.commit(h[1])
         elif op is Op.TAKE_FEATURES:
             target.take_features()
+        elif op is Op.SAVE:
+            states[h[1]] = target.save_state()
+        elif op is Op.LOAD:
+            target.load_state(states.get(h[1]), h[2])
+        elif op is Op.DROP:
+            for slot in h[2 : 2 + h[1]]:
+                states.pop(slot, None)
         elif op is Op.PING:
             pass

@@ -41,7 +41,7 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
         "--distributed",
         choices=("ring", "jaccl", "mpi", "nccl", "any"),
         help="shard the target over the processes `mlx.launch` started, with this mx.distributed backend; rank 0 "
-        "runs the command, the other ranks follow it (no prefix cache, one request at a time)",
+        "runs the command, the other ranks follow it (one request at a time)",
     )
     p.add_argument(
         "--rank-timeout",

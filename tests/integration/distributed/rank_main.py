@@ -7,6 +7,7 @@ MirroredTarget while the other ranks serve it; each rank then writes what it dec
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
 from mlx_dspark.adapters.mlx.drafters import load_drafter
 from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.application.engine import decode
+from mlx_dspark.application.prefix_cache import PrefixCache, Reuse
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.errors import ModelUnavailable
@@ -70,6 +72,39 @@ def chaos(rank: int, target: MlxTargetModel, channel: Channel, report: dict[str,
         report["after"] = exc.message
 
 
+def prefix_turns(mirrored: MirroredTarget) -> dict[str, object]:
+    """A second turn served from the prefix cache over the shards equals the same prompt cold; a cache that can
+    keep one state evicts the older ones, which every rank then drops."""
+    mirrored.configure_capture(())  # plain decoding: the state holds no features
+    cold: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompt: list[int], cache: PrefixCache | None, budget: int = 12) -> tuple[list[int], str]:
+        reuse = cache.prepare(mirrored, prompt) if cache is not None else Reuse(rows=mirrored.reset(0), source="none")
+        stop = StopRule(max_tokens=budget)
+        events = decode(mirrored, prompt, SamplingParams(), stop, FakeClock(), reuse_prefix=reuse.rows)
+        tokens = collect(events)[0]
+        if cache is not None:
+            cache.remember(mirrored)
+        return tokens, reuse.source
+
+    first = list(PROMPTS[1])
+    turn1, _ = run(first, None)
+    second = [*first, *turn1, 5, 9]
+    cold[tuple(second)], _ = run(second, None)
+    cache = PrefixCache(1 << 30)
+    run(first, cache)
+    run(list(PROMPTS[0]), cache)  # another conversation in between: the live rows are no longer the first's
+    warm, source = run(second, cache)
+    one = mirrored.save_state().nbytes
+    small = PrefixCache(int(one * 1.5))
+    for prompt in (PROMPTS[0], PROMPTS[1], second, PROMPTS[0]):
+        run(list(prompt), small)
+    del cache
+    gc.collect()  # the radix tree's nodes form cycles: their states go with the cyclic collector
+    mirrored.reset(0)  # one more call: every rank drops what the caches let go
+    return {"warm": warm, "cold": cold[tuple(second)], "source": source, "kept": len(small.entries(mirrored.state_tag))}
+
+
 def main() -> None:
     out, family, dspark_dir, dflash_dir = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     group = mx.distributed.init(backend="ring", strict=True)
@@ -86,7 +121,9 @@ def main() -> None:
             os._exit(0)
         return
     if rank != 0:
-        report["served"] = serve_worker(target, channel)
+        states: dict[int, object] = {}
+        report["served"] = serve_worker(target, channel, states)
+        report["states_left"] = len(states)
     else:
         mirrored = MirroredTarget(target, channel)
         sources = {
@@ -124,6 +161,7 @@ def main() -> None:
             return collect(events)[0]
 
         report["sampled"] = [sampled_run(), sampled_run()]
+        report["prefix"] = prefix_turns(mirrored)
         mirrored.stop()
         report.update(runs=runs, rounds=rounds, seconds=seconds)
     report["cached_ids"] = list(target.cached_ids)

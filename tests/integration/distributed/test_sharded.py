@@ -70,6 +70,10 @@ def test_sharded_decoding_equals_one_machine_and_speculation_equals_sharded_plai
     first, again = rank0["sampled"]
     assert first == again and len(first) == 30  # a seed gives the same sampled tokens through the shards
     assert rank0["cached_ids"] == rank1["cached_ids"]  # both ranks committed the same rows, sampled ones too
+    prefix = rank0["prefix"]
+    assert prefix["source"] == "memory" and prefix["warm"] == prefix["cold"]  # a cached second turn, as if cold
+    # The small cache kept one state; every other slot (evicted, or in a cache let go) was dropped on the worker.
+    assert prefix["kept"] == 1 and rank1["states_left"] == prefix["kept"]
     print("\nseconds per mode, 2 ranks over loopback:", {k: round(v, 2) for k, v in rank0["seconds"].items()})
 
 
@@ -118,7 +122,7 @@ def test_the_cli_generates_on_two_ranks_what_one_process_does(tmp_path: Path) ->
     flags = ("--mode", "draft", "--draft-model", str(twin), "--distributed", "ring")
     sharded = generate(tmp_path, model, *flags, ranks=2)
     assert sharded["token_ids"] == alone["token_ids"] and sharded["generated_tokens"] == 30
-    assert sharded["accepted"] > 0 and sharded["cached_prompt_tokens"] == 0  # speculated; no prefix cache
+    assert sharded["accepted"] > 0 and sharded["cached_prompt_tokens"] == 0  # speculated; a first request
 
 
 def test_distributed_without_a_launcher_is_refused_in_words(tmp_path: Path) -> None:
@@ -195,6 +199,12 @@ def test_serve_on_two_ranks_answers_what_one_process_generates(tmp_path: Path) -
         alone = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{")))
         assert sharded["choices"][0]["message"]["content"] == alone["text"]
         assert sharded["usage"]["completion_tokens"] == alone["generated_tokens"]
+        # Another conversation, then the first again: its prefix comes from the shards' saved states.
+        post({**body, "messages": [{"role": "user", "content": "world hello world hello"}]})
+        again = post(body)
+        assert again["choices"][0]["message"]["content"] == alone["text"]
+        # All but the prompt's last token (the live rows are the other conversation's: they share only the header).
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)

@@ -118,3 +118,33 @@ def test_entries_evicted_from_memory_spill_to_disk(tmp_path):
     target.reset(0)
     reuse = cache.prepare(target, [*PROMPT, 2])
     assert (reuse.rows, reuse.source) == (len(PROMPT), "disk")
+
+
+class _HeldElsewhere:
+    """A target whose states live partly in other processes (a sharded target's MirroredState): never written to
+    one file."""
+
+    def __init__(self, inner: MlxTargetModel) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def save_state(self):
+        from mlx_dspark.adapters.mlx.distributed import MirroredState
+
+        return MirroredState(0, self._inner.save_state(), [])
+
+
+def test_a_state_held_across_processes_is_evicted_without_a_spill(tmp_path):
+    target = _HeldElsewhere(make("llama"))
+    target.prefill(PROMPT, GREEDY, 0.5)
+    size = target.save_state().nbytes
+    warnings: list[str] = []
+    cache = PrefixCache(size + size // 2, store=SafetensorsPrefixStore(tmp_path, "model@1"), warn=warnings.append)
+    cache.remember(target)
+    target.reset(0)
+    target.prefill([*PROMPT[::-1], 1], GREEDY, 0.5)
+    cache.remember(target)
+    assert [e.tokens for e in cache.entries(target.state_tag)] == [(*PROMPT[::-1], 1)]
+    assert cache.disk_entries(target.state_tag) == [] and not warnings and not list(tmp_path.rglob("*.safetensors"))
