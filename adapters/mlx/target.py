@@ -493,7 +493,9 @@ class MlxTargetModel:
         self._offset += keep_rows
         self._ids.extend(pending.tokens[:keep_rows])
         if pending.features is not None and keep_rows:
-            self._add_features(pending.features[:keep_rows])
+            rows = pending.features
+            # Every row kept (each plain step): no slice op to build and carry.
+            self._add_features(rows if keep_rows == int(rows.shape[0]) else rows[:keep_rows])
 
     def take_features(self) -> mx.array | None:
         """Features of the rows committed since the last call: float32 [rows, len(capture) * hidden].
