@@ -16,6 +16,7 @@ Phases (each writes under --work; `all` runs diag, data, train, bench):
            split between the target-side forward and the drafter step.
   curve    curve.json: per variant, held-out τ against block tokens and training seconds.
   pack-data / unpack-data  this slot's data as uint16 pieces for the way back, and back into train/heldout.npz.
+  merge-data               add earlier slots' training sequences (--data-file a.npz,b.npz) to this slot's.
   bench    plain vs DSpark vs DFlash greedy decode tok/s on the held-out prompts (the project's decode loop).
 
 Usage: python gpu_distill.py PHASE --model DIR --work DIR [...]
@@ -751,6 +752,26 @@ def unpack_data(a: argparse.Namespace, work: Path) -> None:
         np.savez(work / f"{name}.npz", **arrays)
 
 
+def merge_data(a: argparse.Namespace, work: Path) -> None:
+    """Add the training sequences of earlier slots' data.npz files (--data-file, comma-separated) to this work's
+    train.npz: a slot that continues the last trains on all the data made so far. Their held-out responses are
+    not added (this slot keeps its own held-out set; a prompt held out anywhere never enters training)."""
+    seqs, tags = load_seqs(work / "train.npz")
+    held = {tuple(s) for s, _ in load_seqs(work / "heldout.npz")[0]}
+    before = len(seqs)
+    for name in a.data_file.split(","):
+        z = np.load(name)
+        ends = np.cumsum(z["train_lens"])
+        ids = z["train_ids"].astype(np.int32)
+        for s, e, p, t in zip(ends - z["train_lens"], ends, z["train_prompt_lens"], z["train_tags"], strict=True):
+            seq = ids[s:e].tolist()
+            if tuple(seq) not in held:
+                seqs.append((seq, int(p)))
+                tags.append(f"prev:{t}")
+    _save_seqs(work / "train.npz", seqs, tags)
+    log(work, "merge-data:", before, "sequences of this slot +", len(seqs) - before, "from", a.data_file)
+
+
 PHASES = {
     "diag": diag,
     "data": data,
@@ -760,6 +781,7 @@ PHASES = {
     "bench": bench,
     "pack-data": pack_data,
     "unpack-data": unpack_data,
+    "merge-data": merge_data,
 }
 
 

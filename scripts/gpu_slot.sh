@@ -70,7 +70,9 @@ case ${1:-status} in
     timeout -k 20 $((secs + 240)) "$PY" "$REPO/scripts/gpu_distill.py" data --model "$H/target" --work "$W" \
       --gen-seconds "$secs" --follow-seconds $((secs / 5)) --gen-batch 2048 --samples 120000 --self-instruct 12000 \
       --follow-ups 20000 $EXTRA
-    distill pack-data --pack-to "$OUT"
+    distill pack-data --pack-to "$OUT"  # this slot's own data goes back; then earlier slots' joins the training set
+    prev=$(ls "$H"/bundle/prev/*.npz 2>/dev/null | paste -sd, -)
+    [ -n "$prev" ] && distill merge-data --data-file "$prev"
     pack_small; check_out
     ;;
   profile)

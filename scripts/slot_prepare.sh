@@ -4,7 +4,8 @@
 #   scripts/slot_prepare.sh [OUT=build/slot]
 #
 # Builds OUT/bundle (mlx/: MLX CUDA + mlx-lm from ../shared/tools/gpu-mlx-parts; target/: the default model's exact
-# export, with device_bench's pre-encoded prompts when that script is there), cuts it with scripts/gpu_parts.py into
+# export, with device_bench's pre-encoded prompts when that script is there; prev/: earlier slots' data when
+# PREV_DATA names it), cuts it with scripts/gpu_parts.py into
 # parts as large as one call can carry beside the working tree (64 MiB in all, the tree counted), and puts each part
 # with the manifest into its own folder OUT/send/NN: call NN carries `OUT/send/NN` and runs
 # `bash scripts/gpu_slot.sh recv OUT/send/NN`. Prints the plan's numbers (tree size, part size, part count).
@@ -27,6 +28,13 @@ if [ ! -f "$OUT/bundle/target/target.safetensors" ]; then
   fi
 fi
 rm -rf "$OUT/bundle/mlx" && mkdir -p "$OUT/bundle/mlx" && cp -r .gpu/a .gpu/b "$OUT/bundle/mlx/"
+# Earlier slots' data (PREV_DATA="a/data.npz.0 b/data.npz.0 ..."; a piece list per slot joined with +), which the
+# device's `data` call adds to this slot's training set (`gpu_distill.py merge-data`).
+rm -rf "$OUT/bundle/prev"
+if [ -n "${PREV_DATA:-}" ]; then
+  mkdir -p "$OUT/bundle/prev"; n=0
+  for slot in $PREV_DATA; do n=$((n + 1)); cat ${slot//+/ } > "$OUT/bundle/prev/$n.npz"; done
+fi
 # What travels with every call: tracked files and untracked files git does not ignore.
 tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s 2>/dev/null \
   | awk '{s += $1} END {print s + 0}')
