@@ -1,13 +1,17 @@
 """A small model of the target's vocabulary as a draft source (`--mode draft --draft-model NAME|DIR`).
 
-It drafts one token at a time from its own KV cache, which follows the target's committed tokens. Each round:
-the rows that its last block and the committed history share are kept and the rest trimmed (exact for KV
-caches; a wrapped sliding window is rebuilt from the history; a model with recurrent layers is refused), the
-newly committed tokens up to the anchor are fed, and `cap` one-token steps are chained on the device (the last draft
-is not fed: nothing reads its logits). Greedy drafts are the argmax, with a one-hot q; sampled drafts are drawn
-from the draft model's own distribution, truncated as the target's sampling truncates, and that distribution is
-their q, so the target's rejection sampling stays exact. Nothing is read back here: the verify reads the
-tokens with its verdict, and the next round learns them from the committed history.
+It drafts one token at a time from its own cache, which follows the target's committed tokens. Each round: the
+rows that its last block and the committed history share are kept and the rest trimmed (exact for KV caches; a
+cache that cannot trim, recurrent or convolutional layers or a wrapped window, is rebuilt from the history), the
+newly committed tokens up to the anchor are fed, and `cap` one-token steps are chained on the device (the last
+draft is not fed: nothing reads its logits). Greedy drafts are the argmax, with a one-hot q; sampled drafts are
+drawn from the draft model's own distribution, truncated as the target's sampling truncates, and that distribution
+is their q, so the target's rejection sampling stays exact. Nothing is read back here: the verify reads the tokens
+with its verdict, and the next round learns them from the committed history.
+
+The draft model must score exactly the target's token ids (the application checks it): MLX's embedding lookup
+does not check bounds, so a draft id past the target's vocabulary would read memory past the table into the
+target's cache.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from mlx_dspark.adapters.mlx import cpu_kernels
 from mlx_dspark.adapters.mlx.drafters.source import PROPOSALS, pick
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
-from mlx_dspark.domain.errors import IncompatibleDrafter
 from mlx_dspark.domain.tokens import SamplingParams
 
 MAX_BLOCK = 16  # drafts one round may ask for; the cap policy picks fewer from the measured curves
@@ -51,13 +55,6 @@ class DraftModelSource:
     def __init__(self, model: Any, *, identity: str = "", proposal: str = "sample") -> None:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-        if not can_trim_prompt_cache(make_prompt_cache(model)):
-            # Rebuilding such a cache every round left the target decoding zeros in the full test suite: refused
-            # until that is understood (a transformer draft model trims its KV cache exactly).
-            raise IncompatibleDrafter(
-                message="this draft model has recurrent layers (its cache cannot roll back); "
-                "use a transformer draft model"
-            )
         self.model = model
         self.identity = f"draft:{identity or type(model).__module__}:block={MAX_BLOCK}"
         self.proposal = proposal
@@ -134,13 +131,12 @@ class DraftModelSource:
             del self._ids[keep:]
         rest = list(history[keep:])
         logits = None
-        # MLX's own kernels, not the target's CPU fast path (cpu_kernels): in the full suite a recurrent draft
-        # model's catch-up under it left the target decoding zeros; to be understood before it comes back.
-        for start in range(0, len(rest), PREFILL_CHUNK):
-            chunk = rest[start : start + PREFILL_CHUNK]
-            logits = self._step(mx.array([chunk], dtype=mx.int32))
-            if start + PREFILL_CHUNK < len(rest):
-                mx.eval(*self._state())
+        with cpu_kernels.active():  # a long history catches up in wide chunks
+            for start in range(0, len(rest), PREFILL_CHUNK):
+                chunk = rest[start : start + PREFILL_CHUNK]
+                logits = self._step(mx.array([chunk], dtype=mx.int32))
+                if start + PREFILL_CHUNK < len(rest):
+                    mx.eval(*self._state())
         self._ids.extend(rest)
         assert logits is not None
         return logits

@@ -268,14 +268,21 @@ def tiny_model(family: str, seed: int = 0, *, portable: bool = True, **overrides
         seed: the MLX random seed used for the weights.
         portable: BitNet's BitLinears as exact 2-bit layers off Metal (as the loader does); False keeps the
             published packing (for writing a checkpoint).
-        **overrides: config fields to change (e.g. head_dim=32 for 32-wide KV quantization groups).
+        **overrides: config fields to change (e.g. head_dim=32 for 32-wide KV quantization groups); in a family
+            whose config nests a `text_config` (Qwen3.5), they change the text config, where mlx-lm reads them
+            (set at the top level, mlx-lm would drop them unread).
 
     Returns:
         The mlx-lm `Model`, ready for `make_prompt_cache` and generation.
     """
     kind = MODEL_TYPE.get(family, family)
     module = importlib.import_module(f"mlx_lm.models.{kind}")
-    args = module.ModelArgs.from_dict({"model_type": kind, **CONFIGS[family], **overrides})
+    config = CONFIGS[family]
+    if "text_config" in config:
+        config = {**config, "text_config": {**config["text_config"], **overrides}}
+    else:
+        config = {**config, **overrides}
+    args = module.ModelArgs.from_dict({"model_type": kind, **config})
     mx.random.seed(seed)
     model = module.Model(args)
     # Wider weights give sharper, input-dependent logits; norms (1-D) stay as they are.

@@ -27,7 +27,6 @@ from mlx_dspark.application.prefix_cache import PrefixCache
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftBlock
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
-from mlx_dspark.domain.errors import IncompatibleDrafter
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 from mlx_dspark.domain.verification.distribution import distribution, sample_index
@@ -57,12 +56,10 @@ def make_source(mode: str, family: str, m: Any, tmp: Path) -> Any:
     if mode == "lookup":  # one-token matches too: a random model repeats few longer n-grams of its history
         return LookupDraftSource(block=6, min_n=1)
     if mode == "draft":
-        if STATE[family] == "recurrent":
-            with pytest.raises(IncompatibleDrafter, match="recurrent layers"):
-                DraftModelSource(m)
-        if STATE[family] == "recurrent" or family in QUANTIZED:
+        if family in QUANTIZED:
             return DraftModelSource(tiny_model("llama", seed=5))  # a dense draft model of the same vocabulary
-        return DraftModelSource(helpers.perturbed(m, 0.3, seed=4))  # a close twin of the target
+        # A close twin of the target: recurrent and convolutional twins rebuild their caches after a rejection.
+        return DraftModelSource(helpers.perturbed(m, 0.3, seed=4))
     if mode == "dflash":
         path = helpers.write_dflash(tmp / mode, variant="v2", layer_ids=layers, num_target_layers=n, vocab=VOCAB)
         return load_drafter("dflash", str(path), m, bits=0)

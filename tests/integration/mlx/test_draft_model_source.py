@@ -1,6 +1,7 @@
 """The draft-model source (`--mode draft`): a small model of the target's vocabulary drafting from its own KV
-cache. Greedy output equals plain decoding whatever the draft model (perfect, close, random, recurrent), its
-cache rolls back exactly, sampled output is distributed as the target's, and its drafts follow the q it reports.
+cache. Greedy output equals plain decoding whatever the draft model (perfect, close, random, recurrent,
+convolutional), its cache rolls back exactly, sampled output is distributed as the target's, and its drafts follow
+the q it reports.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import pytest
 from mlx_dspark.adapters.mlx.draft_model import MAX_BLOCK, DraftModelSource, shared_prefix
 from mlx_dspark.application import bootstrap
 from mlx_dspark.application.calibration import drafter_identity
+from mlx_dspark.application.draft_models import check_shared_vocabulary
 from mlx_dspark.application.generation import GenerationRequest
 from mlx_dspark.application.modes import auto_candidates, build_generator
 from mlx_dspark.application.settings import load_settings
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import DraftContext
-from mlx_dspark.domain.errors import IncompatibleDrafter, InvalidRequest
-from mlx_dspark.domain.tokens import SamplingParams, StopRule
+from mlx_dspark.domain.errors import InvalidRequest
+from mlx_dspark.domain.tokens import FinishReason, SamplingParams, StopRule
 from mlx_dspark.entrypoints.cli import bench
 from tests.fakes.clock import RecordingTelemetrySink
 from tests.fakes.tiny_models import tiny_model
@@ -46,8 +48,12 @@ def drafts_for(target: Any, kind: str) -> Any:
         return helpers.perturbed(target, 0.3, seed=4)
     if kind == "random":
         return helpers.tiny_target("qwen3", seed=11)
-    # Recurrent layers: the cache cannot trim, so every rejection rebuilds it from the history.
-    return tiny_model("qwen3_5", seed=3, vocab_size=helpers.VOCAB)
+    # Recurrent (Gated DeltaNet) or short-convolution layers: the cache cannot trim, so every rejection rebuilds
+    # it from the history.
+    return tiny_model("qwen3_5" if kind == "recurrent" else "lfm2", seed=3, vocab_size=helpers.VOCAB)
+
+
+KINDS = ["perfect", "close", "random", "recurrent", "conv"]
 
 
 def test_the_shared_prefix() -> None:
@@ -56,14 +62,23 @@ def test_the_shared_prefix() -> None:
     assert shared_prefix([1, 2], [1, 2]) == 2
 
 
-def test_a_draft_model_whose_cache_cannot_trim_is_refused() -> None:
-    # A recurrent draft model's cache is rebuilt each round; in the full suite that left the target decoding
-    # zeros (not understood yet), so such a model is refused in words instead.
-    with pytest.raises(IncompatibleDrafter, match="recurrent layers"):
-        DraftModelSource(drafts_for(None, "recurrent"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_draft_model_scores_exactly_the_targets_ids(target: Any, kind: str) -> None:
+    # A draft id past the target's vocabulary is read past its embedding table (MLX does not check bounds): a
+    # qwen3_5 draft model of 192 logits against this 128-token target once left it decoding zeros, or not,
+    # depending on what lay past the table (its vocab_size had gone to the top level of a nested config).
+    logits = drafts_for(target, kind)(mx.array([[1, 2, 3]]))
+    assert logits.shape[-1] == helpers.VOCAB
 
 
-@pytest.mark.parametrize("kind", ["perfect", "close", "random"])
+def test_the_shared_vocabulary_check_refuses_a_recurrent_draft_model_of_another_width() -> None:
+    base = tiny_model("llama", seed=1, vocab_size=helpers.VOCAB)
+    wide = tiny_model("qwen3_5", seed=3)  # its own 192 logits, read from its nested text config
+    with pytest.raises(InvalidRequest, match="192 logits against 128"):
+        check_shared_vocabulary(PairLoader._loaded("tiny", base), PairLoader._loaded("wide", wide))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cap", [1, 4, 9])
 def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -> None:
     source = DraftModelSource(drafts_for(target, kind))
@@ -73,8 +88,10 @@ def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -
         prompt = [rng.randrange(helpers.VOCAB) for _ in range(rng.randint(1, 20))]
         stop = StopRule(max_tokens=rng.randint(10, 40))
         expected, _, _ = run(target, prompt, stop)
-        got, rounds, _ = run(target, prompt, stop, source=source, cap_policy=FixedCap(cap))
+        got, rounds, fin = run(target, prompt, stop, source=source, cap_policy=FixedCap(cap))
         assert got == expected, (kind, prompt)
+        assert fin.reason is FinishReason.LENGTH and fin.usage.generated_tokens == len(got) == stop.max_tokens
+        assert all(r.drafted <= cap for r in rounds)
         drafted += sum(r.drafted for r in rounds)
         accepted += sum(r.accepted for r in rounds)
         # The draft model's cache holds exactly the committed tokens it has seen (its last drafts only where
@@ -88,7 +105,7 @@ def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -
         assert 0 < accepted < drafted  # a mix of accepted and rejected drafts: rollback exercised
 
 
-@pytest.mark.parametrize("kind", ["close"])
+@pytest.mark.parametrize("kind", ["close", "recurrent", "conv"])
 def test_the_rolled_back_cache_drafts_as_a_fresh_one(target: Any, kind: str) -> None:
     draft = drafts_for(target, kind)
     source = DraftModelSource(draft)
@@ -126,18 +143,21 @@ def test_a_block_never_exceeds_the_cap_or_the_source_limit(target: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("sampling", "proposal"),
+    ("sampling", "proposal", "draft"),
     [
-        (SamplingParams(temperature=2.0), "sample"),
-        (SamplingParams(temperature=1.5, top_k=6, top_p=0.95), "sample"),
-        (SamplingParams(temperature=2.0), "argmax"),
+        (SamplingParams(temperature=2.0), "sample", "close"),
+        (SamplingParams(temperature=1.5, top_k=6, top_p=0.95), "sample", "close"),
+        (SamplingParams(temperature=2.0), "argmax", "close"),
+        (SamplingParams(temperature=2.0), "sample", "qwen3_5"),
+        (SamplingParams(temperature=1.5, top_k=6, top_p=0.95), "sample", "lfm2"),
     ],
 )
-def test_sampled_output_is_distributed_as_the_target(sampling: SamplingParams, proposal: str) -> None:
+def test_sampled_output_is_distributed_as_the_target(sampling: SamplingParams, proposal: str, draft: str) -> None:
     """Joint law of the first 3 tokens (prefill + a round of two drafts) vs the exact one."""
     vocab = 16
     model = helpers.tiny_target("qwen3", seed=5, vocab=vocab)
-    source = DraftModelSource(helpers.perturbed(model, 0.5, seed=6), proposal=proposal)
+    drafter = helpers.perturbed(model, 0.5, seed=6) if draft == "close" else tiny_model(draft, 3, vocab_size=vocab)
+    source = DraftModelSource(drafter, proposal=proposal)
     prompt = [3, 7]
     joint = exact_joint(model, prompt, sampling, 3)
     observed: Counter[tuple[int, ...]] = Counter()
