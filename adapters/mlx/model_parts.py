@@ -48,8 +48,9 @@ def embedding(model: nn.Module) -> nn.Module:
 
 
 def final_norm(model: nn.Module) -> nn.Module:
-    """The norm after the last decoder layer (`norm`; `norm_f` in Nemotron-H)."""
-    return _child(_decoder(model), ("norm", "norm_f"), "final norm")
+    """The norm after the last decoder layer (`norm`; `norm_f` in Nemotron-H; LFM2 applies its `embedding_norm`
+    there, after the layers, despite the name)."""
+    return _child(_decoder(model), ("norm", "norm_f", "embedding_norm"), "final norm")
 
 
 def model_args(model: nn.Module) -> Any:

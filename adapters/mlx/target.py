@@ -33,6 +33,10 @@ EMBEDDING_OUTPUT = -1  # capture id of the hidden state that enters decoder laye
 _COMPACT_AFTER = 256  # feature chunks kept apart before the already-read ones are merged
 
 
+class EnoughLayers(Exception):
+    """Raised by a tap once the recorder's `stop_after` layer has run: the rest of the forward is not needed."""
+
+
 class _Recorder:
     """Where tapped layers write the hidden states of one forward (only while `active`)."""
 
@@ -40,6 +44,7 @@ class _Recorder:
         self.active = False
         self.wanted: frozenset[int] = frozenset()
         self.rows: dict[int, mx.array] = {}
+        self.stop_after: int | None = None  # a layer index after which the forward ends (EnoughLayers)
 
 
 class _TapHub:
@@ -65,9 +70,39 @@ class _LayerTap:
             rec.rows[EMBEDDING_OUTPUT] = first
         if self.index in rec.wanted:
             rec.rows[self.index] = out[0] if isinstance(out, tuple) else out
+        if rec.stop_after == self.index:
+            raise EnoughLayers
 
 
 _TAPPED_CLASSES: dict[type, type] = {}
+
+
+def install_taps(layers: Sequence[Any]) -> _TapHub:
+    """Tap every decoder layer once per model (`layers`: the decoder's, None entries left out); targets and the
+    trainer's feature capture sharing a model share the hub."""
+    existing = getattr(layers[0], "_dspark_tap", None) if layers else None
+    if isinstance(existing, _LayerTap):
+        return existing.hub
+    hub = _TapHub()
+    for index, layer in enumerate(layers):
+        layer.__class__ = _tapped_class(type(layer))
+        layer._dspark_tap = _LayerTap(hub, index)
+    return hub
+
+
+def record_layers(layers: Sequence[Any], wanted: Sequence[int], stop_after: int | None) -> _Recorder:
+    """Arm the taps of `layers` to record `wanted` outputs (-1: the embedding output) in a fresh recorder, ending
+    the forward with EnoughLayers after layer `stop_after` (None: the whole forward); `disarm` undoes it."""
+    hub = install_taps(layers)
+    rec = _Recorder()
+    rec.wanted, rec.active, rec.stop_after = frozenset(wanted), True, stop_after
+    hub.recorder = rec
+    return rec
+
+
+def disarm(layers: Sequence[Any]) -> None:
+    """The taps of `layers` record nothing again."""
+    install_taps(layers).recorder = _Recorder()
 
 
 def _tapped_class(cls: type) -> type:
@@ -580,15 +615,7 @@ class MlxTargetModel:
             cache_ops.trim_offset_caches(self._caches, 1)
 
     def _install_taps(self) -> _TapHub:
-        """Tap every decoder layer once per model; targets sharing a model share the hub."""
-        existing = getattr(self._layers[0], "_dspark_tap", None) if self._layers else None
-        if isinstance(existing, _LayerTap):
-            return existing.hub
-        hub = _TapHub()
-        for index, layer in enumerate(self._layers):
-            layer.__class__ = _tapped_class(type(layer))
-            layer._dspark_tap = _LayerTap(hub, index)
-        return hub
+        return install_taps(self._layers)
 
     def _forward(self, tokens: mx.array, record: bool, *, compiled: bool = False) -> mx.array:
         """Run tokens (ids [n]) after the cached rows; the taps record into this target when `record`.

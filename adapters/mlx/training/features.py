@@ -1,8 +1,8 @@
 """Target-side compute for distillation: one frozen target forward that captures the selected layers'
 outputs (and, for DSpark, the final hidden state), and the head rows of a reduced draft vocabulary.
 
-The forward walks the decoder's own layers with a causal mask; right padding never leaks into earlier rows,
-so one padded batch gives every sequence its exact features.
+The forward is the decoder's own, read by the serving target's layer taps; it is causal, so right padding never
+leaks into earlier rows and one padded batch gives every sequence its exact features.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlx_dspark.adapters.mlx import model_parts
+from mlx_dspark.adapters.mlx.target import EnoughLayers, disarm, record_layers
 
 EMBEDDING_OUTPUT = -1  # the hidden state entering decoder layer 0
 
@@ -21,6 +22,10 @@ def capture(
     model: nn.Module, ids: mx.array, layer_ids: Sequence[int], *, final: bool
 ) -> tuple[mx.array, mx.array | None]:
     """One causal forward of the frozen target over `ids` [B, S].
+
+    It is the decoder's own forward (its masks, sliding windows, per-layer inputs, shared KV, recurrent and conv
+    scans), read by the same layer taps the serving target records with: a drafter trains on exactly the
+    features it will be given. Without `final` the forward ends after the deepest captured layer.
 
     Args:
         model: the mlx-lm target.
@@ -32,19 +37,23 @@ def capture(
         (features [B, S, m·H] float32, final hidden [B, S, H] or None), both without gradient.
     """
     decoder = model_parts._decoder(model)
-    h = model_parts.embed(model, ids)
-    wanted = set(layer_ids)
-    found: dict[int, mx.array] = {}
-    if EMBEDDING_OUTPUT in wanted:
-        found[EMBEDDING_OUTPUT] = h
-    stop = len(decoder.layers) if final else max(layer_ids) + 1
-    for i, layer in enumerate(decoder.layers[:stop]):
-        h = layer(h, "causal", None)
-        if i in wanted:
-            found[i] = h
+    layers = [layer for layer in decoder.layers if layer is not None]
+    last = len(layers) - 1
+    stop = None if final else max(0, *layer_ids)  # the final state needs the whole forward
+    rec = record_layers(layers, [*layer_ids, *([last] if final else [])], stop_after=stop)
+    out = None
+    try:
+        out = decoder(ids)  # with `final`: the final-normed hidden state, under whatever name the family has
+    except EnoughLayers:
+        pass
+    finally:
+        disarm(layers)
+    found = rec.rows
     feats = mx.concatenate([found[i].astype(mx.float32) for i in layer_ids], axis=-1)
-    last = model_parts.final_norm(model)(h) if final else None
-    return mx.stop_gradient(feats), None if last is None else mx.stop_gradient(last)
+    hidden = None
+    if final:
+        hidden = out if isinstance(out, mx.array) else model_parts.final_norm(model)(found[last])
+    return mx.stop_gradient(feats), None if hidden is None else mx.stop_gradient(hidden)
 
 
 def head_rows(model: nn.Module, token_ids: Sequence[int]) -> mx.array:

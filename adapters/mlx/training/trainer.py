@@ -61,7 +61,13 @@ def drafter_config(plan: Any, model: nn.Module) -> dict[str, Any]:
     common = {
         "model_type": "qwen3",
         "hidden_size": hidden,
-        "intermediate_size": int(args.intermediate_size),
+        # The drafter's own MLP width: the target's (LFM2 names it block_ff_dim), else the usual 4x.
+        "intermediate_size": int(
+            next(
+                (v for v in (getattr(args, k, None) for k in ("intermediate_size", "block_ff_dim", "ffn_dim")) if v),
+                4 * hidden,
+            )
+        ),
         "num_attention_heads": heads,
         "num_key_value_heads": int(getattr(args, "num_key_value_heads", None) or heads),
         "head_dim": int(getattr(args, "head_dim", None) or hidden // heads),
