@@ -86,7 +86,7 @@ def _default_loader(settings: Settings) -> ModelLoader:
         from mlx_dspark.adapters.mlx.distributed import DistributedLoader
 
         return DistributedLoader(
-            HfModelLoader(settings.model),
+            HfModelLoader(settings.model, lazy=True),  # each rank reads only its shard's weights
             settings.model.distributed,
             settings.model.model,
             rank_timeout=settings.model.rank_timeout,

@@ -212,9 +212,15 @@ class HfModelLoader:
     """
 
     def __init__(
-        self, settings: ModelOptions, *, keep_quantized: bool | None = None, auto_install: bool = True
+        self,
+        settings: ModelOptions,
+        *,
+        keep_quantized: bool | None = None,
+        auto_install: bool = True,
+        lazy: bool = False,
     ) -> None:
         self._auto_install = auto_install
+        self._lazy = lazy  # weights stay unread until used: a sharded target reads only its shard
         self._trust = bool(settings.trust_remote_code)
         self._cache = cache_root(settings.cache_dir)
         self._keep_quantized_choice = keep_quantized
@@ -278,7 +284,7 @@ class HfModelLoader:
         path, identity = self.locate(name)
         check_mlx_dir(path, trust_remote_code=self._trust)
         try:
-            model, config = load_model(path, trust_remote_code=self._trust)
+            model, config = load_model(path, lazy=self._lazy, trust_remote_code=self._trust)
         except (ValueError, RuntimeError, FileNotFoundError, KeyError) as exc:
             raise ModelUnavailable(message=f"model {name!r}: mlx-lm cannot load {path}: {exc}") from exc
         if not mx.metal.is_available():  # BitNet's BitLinear kernel is Metal-only: exact 2-bit layers elsewhere

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlx_dspark.adapters.mlx.acceptance import as_q_rows
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
@@ -70,6 +71,10 @@ def shard(model: Any, group: mx.distributed.Group) -> Any:
     if not callable(getattr(model, "shard", None)):
         raise ModelUnavailable(message=f"{type(model).__module__}: mlx-lm has no tensor-parallel sharding for it")
     model.shard(group)
+    # Layer by layer: with lazily loaded weights each layer's whole tensors exist only while its slices are
+    # cut, so a rank never holds much more than its shard.
+    for layer in getattr(model, "layers", []):
+        mx.eval(layer.parameters())
     mx.eval(model.parameters())
     return model
 
@@ -255,6 +260,8 @@ class MirroredTarget:
         self._channel = channel
         self._link = _Link(timeout_s) if timeout_s is not None and channel.group.size() > 1 else None
         self.timeout_s = timeout_s if self._link is not None else None
+        self.shard_bytes = 0  # this rank's weights (set by the loader)
+        self.load_peak_bytes = 0  # the most memory the load held at once on this rank (set by the loader)
         self._slots = itertools.count(1)
         self._dropped: list[int] = []  # slots of states the prefix cache let go, dropped on every rank next call
         self.lost: str | None = None
@@ -370,6 +377,8 @@ class MirroredTarget:
             "ranks": self._channel.group.size(),
             "call_round_trip_us": round(self.ping() * 1e6, 1),
             "rank_timeout_s": self.timeout_s,
+            "shard_bytes": self.shard_bytes,
+            "load_peak_bytes": self.load_peak_bytes,
         }
 
     @_guarded
@@ -418,11 +427,13 @@ class DistributedLoader:
             if self._loaded.target.lost is not None:
                 raise ModelUnavailable(message=self._loaded.target.lost)
             return self._loaded
+        mx.reset_peak_memory()
         loaded = self._inner.load_target(name)
         if name != self._target:
             return loaded
         group = self.group
         model = shard(loaded.handle, group)
+        load_peak = mx.get_peak_memory()  # with a lazy loader: this shard's weights, never the whole model's
         target = MlxTargetModel(model)
         channel = Channel(group)
         if group.rank() != 0:
@@ -433,6 +444,8 @@ class DistributedLoader:
             raise SystemExit(0)
         mirrored = MirroredTarget(target, channel, timeout_s=self._timeout)
         mirrored.backend = self._backend
+        mirrored.load_peak_bytes = load_peak
+        mirrored.shard_bytes = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
         atexit.register(_stop_quietly, mirrored)
         self._loaded = attrs.evolve(loaded, target=mirrored, identity=f"{loaded.identity}+tp{group.size()}")
         return self._loaded

@@ -137,7 +137,10 @@ def test_distributed_without_a_launcher_is_refused_in_words(tmp_path: Path) -> N
 def test_doctor_reports_the_ranks_the_backend_and_a_call_round_trip(tmp_path: Path) -> None:
     from tests.integration.families.test_family_checkpoints import write_checkpoint
 
-    model = write_checkpoint(tmp_path / "tiny", "llama", tiny_model("llama", 0))
+    # Wide enough that its layers' weights dwarf the embedding, which every rank holds whole.
+    shape = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "num_hidden_layers": 8}
+    model = write_checkpoint(tmp_path / "tiny", "llama", tiny_model("llama", 0, **shape), **shape)
+    full = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     cli = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable]
     cli += [str(Path(sys.executable).with_name("mlx-dspark")), "doctor", "--json", "--model", str(model)]
     cli += ["--mode", "lookup", "--distributed", "ring", "--cache-dir", str(tmp_path / "cache")]
@@ -147,6 +150,9 @@ def test_doctor_reports_the_ranks_the_backend_and_a_call_round_trip(tmp_path: Pa
     assert report["distributed"]["ranks"] == 2 and report["distributed"]["backend"] == "ring"
     assert report["distributed"]["call_round_trip_us"] > 0
     assert report["model"].endswith("+tp2")  # its own calibration: the costs include the link
+    d = report["distributed"]
+    # Rank 0 read only its shard: its load held its half and one layer's whole weights at most, never the model.
+    assert 0 < d["shard_bytes"] < 0.6 * full and d["load_peak_bytes"] < 0.75 * full, (d, full)
 
 
 def test_serve_on_two_ranks_answers_what_one_process_generates(tmp_path: Path) -> None:
