@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,12 +18,12 @@ from mlx_dspark.adapters.mlx.target import MlxTargetModel
 from mlx_dspark.adapters.mlx.training import MlxDrafterTrainer
 from mlx_dspark.adapters.mlx.training.features import capture
 from mlx_dspark.application.engine import decode
-from mlx_dspark.application.lab.training import TrainPlan
 from mlx_dspark.application.ports import TrainingTarget
 from mlx_dspark.domain.events import TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from tests.fakes.clock import FakeClock
 from tests.fakes.tiny_models import FAMILIES, VOCAB, tiny_model
+from tests.integration.training.test_train_drafter import _plan as train_plan
 
 LONG = [5, 17, 3, 99, 42, 8, 11, 64, 23, 7, 150, 31, 2, 77]
 SHORT = LONG[:9]
@@ -68,24 +69,7 @@ def test_a_drafter_trains_on_a_hybrid_or_gemma4_target_and_decodes_losslessly(
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(1, VOCAB - 2, size=int(rng.integers(4, 8)))] for _ in range(18)]
     seqs = [(p + _greedy(target, p, None, 16), len(p)) for p in prompts]
-    plan = TrainPlan(
-        kind=kind,
-        layers=1,
-        block_size=6 if kind == "dflash" else 5,
-        target_layers=(0, n - 1),
-        mask_token_id=VOCAB - 1,
-        draft_vocab=96 if kind == "dspark" else 0,
-        markov_rank=8,
-        lr=3e-3,
-        epochs=100,
-        batch=4,
-        anchors=6,
-        max_steps=8,
-        seed=7,
-        checkpoint_every=8,
-        log_every=1,
-        save_dtype="float32",
-    )
+    plan = attrs.evolve(train_plan(kind), target_layers=(0, n - 1), batch=4, anchors=6, max_steps=8, checkpoint_every=8)
     handle = TrainingTarget(name="tiny", identity="tiny", tokenizer=None, handle=model, tokenizer_size=VOCAB - 1)  # type: ignore[arg-type]
     facts = MlxDrafterTrainer(lambda name: handle).train(
         handle, plan, seqs[:14], seqs[14:], out_dir=str(tmp_path / kind), resume=False, card=lambda f: "card\n"
