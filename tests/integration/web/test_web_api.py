@@ -170,7 +170,10 @@ def test_metrics_parse_as_prometheus_text_and_count_requests(web: WebServer) -> 
     # The exposition format's own content type, its charset once (it was repeated).
     assert httpx.get(web.base_url + "/metrics").headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     before = families()
-    post_stream(web.base_url, "/ui/api/race", {"prompt": "Metrics.", "modes": ["lookup"], "max_tokens": 30})
+    # One timing run: the lanes run one after another here, so each lane's race run is its only request.
+    post_stream(
+        web.base_url, "/ui/api/race", {"prompt": "Metrics.", "modes": ["lookup"], "max_tokens": 30, "repeats": 1}
+    )
     after = families()
     assert value(after, "mlx_dspark_requests") - value(before, "mlx_dspark_requests") == 2  # two lanes
     assert value(after, "mlx_dspark_generated_tokens") - value(before, "mlx_dspark_generated_tokens") == 60
