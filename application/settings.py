@@ -15,6 +15,13 @@ MODES = ("auto", "baseline", "lookup", "dflash", "dspark", "draft")
 ENV_PREFIX = "MLX_DSPARK_"
 
 
+def _check_threshold(_: object, __: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None and not 0.0 <= value < 1.0:
+        raise InvalidRequest(
+            message=f"confidence_threshold must be in [0, 1); got {value}", param="confidence_threshold"
+        )
+
+
 def _check_mode(_: object, __: attrs.Attribute[str], value: str) -> None:
     if value not in MODES:
         raise InvalidRequest(message=f"mode must be one of {', '.join(MODES)}; got {value!r}", param="mode")
@@ -28,7 +35,9 @@ class ModelSettings:
     draft_model: str | None = None  # --mode draft (and bench --against mlx-lm-draft): NAME|DIR
     drafter_bits: int | None = None  # None = whichever is measured faster on this device
     max_draft: str = "auto"  # an integer or "auto"
-    confidence_threshold: float = 0.0
+    # Where a block stops early: DSpark's survival product, a draft model's probability of its draft. None: each
+    # source's default (DSpark never stops early; a draft model stops below DEFAULT_STOP, measured to pay).
+    confidence_threshold: float | None = attrs.field(default=None, validator=_check_threshold)
     trust_remote_code: bool = False
     cache_dir: str | None = None  # where converted models and calibration live
     # Shard the target over the ranks `mlx.launch` started, with this mx.distributed backend (ring, jaccl, mpi,

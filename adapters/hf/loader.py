@@ -43,7 +43,7 @@ class ModelOptions(Protocol):
     def drafter(self) -> str | None: ...
 
     @property
-    def confidence_threshold(self) -> float: ...
+    def confidence_threshold(self) -> float | None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -225,7 +225,7 @@ class HfModelLoader:
         self._cache = cache_root(settings.cache_dir)
         self._keep_quantized_choice = keep_quantized
         self._drafter_spec = settings.drafter
-        self._confidence_threshold = float(settings.confidence_threshold or 0.0)
+        self._confidence_threshold = settings.confidence_threshold  # None: each source's own default
 
     def _keep_quantized(self) -> bool:
         """GGUF quantized blocks stay quantized where that is faster: on a GPU (Metal, CUDA).
@@ -383,15 +383,16 @@ class HfModelLoader:
         from mlx_dspark.adapters.mlx.drafters import load_drafter
 
         # The confidence head is DSpark's; a threshold given for auto mode must not break DFlash.
-        threshold = self._confidence_threshold if kind == "dspark" else 0.0
+        threshold = (self._confidence_threshold or 0.0) if kind == "dspark" else 0.0
         return load_drafter(kind, spec, model.handle, target=model.target, bits=bits, confidence_threshold=threshold)
 
-    @staticmethod
-    def draft_model_source(draft: Any) -> Any:
-        """A draft-model source over the loaded model `draft` (its mlx-lm module, its own cache)."""
-        from mlx_dspark.adapters.mlx.draft_model import DraftModelSource
+    def draft_model_source(self, draft: Any) -> Any:
+        """A draft-model source over the loaded model `draft` (its mlx-lm module, its own cache), stopping its
+        blocks below the configured confidence threshold (none configured: the source's measured default)."""
+        from mlx_dspark.adapters.mlx.draft_model import DEFAULT_STOP, DraftModelSource
 
-        return DraftModelSource(draft.target.model, identity=draft.identity)
+        threshold = DEFAULT_STOP if self._confidence_threshold is None else self._confidence_threshold
+        return DraftModelSource(draft.target.model, identity=draft.identity, confidence_threshold=threshold)
 
     def available_drafters(self, model: Any) -> Sequence[str]:
         """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""

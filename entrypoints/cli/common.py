@@ -34,7 +34,12 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
     )
     p.add_argument("--drafter-bits", type=int, choices=(0, 4, 8), help="quantize the drafter on load (0 = off)")
     p.add_argument("--max-draft", help="draft cap per round: an integer or 'auto' (measured)")
-    p.add_argument("--confidence-threshold", type=float, help="DSpark: stop the block when survival drops below")
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        help="stop a block early, in [0, 1): DSpark below this survival (default: never), a draft model after a "
+        "draft it gave less than this probability (default 0.4); 0 = never",
+    )
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
     p.add_argument(

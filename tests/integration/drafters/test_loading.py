@@ -343,6 +343,38 @@ def test_the_confidence_threshold_setting_reaches_dspark_and_spares_dflash(tmp_p
     assert dspark.confidence_threshold == 0.4
     dflash = loader.load_drafter("dflash", str(helpers.write_dflash(tmp_path / "df")), model, bits=0)
     assert dflash.max_block >= 1
+    assert loader.draft_model_source(model).confidence_threshold == 0.4  # the setting reaches a draft model too
+
+
+def test_a_draft_model_stops_at_its_default_unless_told_and_bad_thresholds_are_refused(
+    tmp_path: Path, qwen3_target: Any
+) -> None:
+    from mlx_dspark.adapters.hf.loader import HfModelLoader
+    from mlx_dspark.adapters.mlx.draft_model import DEFAULT_STOP
+    from mlx_dspark.adapters.mlx.target import MlxTargetModel
+    from mlx_dspark.application.settings import ModelSettings, load_settings
+    from mlx_dspark.domain.errors import InvalidRequest
+    from mlx_dspark.domain.model import LoadedModel
+
+    draft = LoadedModel(
+        name="tiny", identity="tiny@test", target=MlxTargetModel(qwen3_target), tokenizer=None, context_window=256,
+        family="qwen3", handle=qwen3_target,
+    )  # fmt: skip
+
+    def source(**given: Any) -> Any:
+        return HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"), **given)).draft_model_source(draft)
+
+    assert 0 < DEFAULT_STOP < 1 and source().confidence_threshold == DEFAULT_STOP
+    assert source(confidence_threshold=0.0).confidence_threshold == 0.0  # 0 turns the stop off
+    assert source().identity != source(confidence_threshold=0.0).identity  # their costs are calibrated apart
+    # DSpark keeps its own default: no early stop unless asked.
+    dspark = HfModelLoader(ModelSettings(cache_dir=str(tmp_path / "cache"))).load_drafter(
+        "dspark", str(helpers.write_dspark(tmp_path / "ds", qwen3_target)), draft, bits=0
+    )
+    assert dspark.confidence_threshold == 0.0
+    for bad in ("1", "-0.1", "2.5"):
+        with pytest.raises(InvalidRequest, match=r"confidence_threshold must be in \[0, 1\)"):
+            load_settings({"confidence_threshold": bad})
 
 
 class _Proposals:

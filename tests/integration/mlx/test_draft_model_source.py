@@ -142,6 +142,50 @@ def test_a_block_never_exceeds_the_cap_or_the_source_limit(target: Any) -> None:
     assert len(source.propose(ctx, 99, SamplingParams(), [])) == MAX_BLOCK
 
 
+@pytest.mark.parametrize("threshold", [0.3, 0.6])
+def test_an_unsure_draft_ends_the_block(target: Any, threshold: float) -> None:
+    """With a confidence threshold the block ends at the first draft the draft model gave less than it: every
+    draft before it scored at least the threshold under the draft model's own forward."""
+    draft = helpers.perturbed(target, 0.3, seed=4)
+    source = DraftModelSource(draft, confidence_threshold=threshold)
+    assert source.identity.endswith(f":stop={threshold:g}")
+    rng = random.Random(7)
+    lengths = []
+    for _ in range(12):
+        history = [rng.randrange(helpers.VOCAB) for _ in range(rng.randint(1, 12))]
+        ctx = DraftContext(anchor=history[-1], position=len(history) - 1, history=history)
+        tokens = source.propose(ctx, 9, SamplingParams(), []).tokens
+        logits, _ = helpers.target_forward(draft, [*history, *tokens])
+        probs = np.array(mx.softmax(logits[len(history) - 1 :], axis=-1))
+        p = [float(probs[i, t]) for i, t in enumerate(tokens)]
+        assert all(x >= threshold - 1e-5 for x in p[:-1]), p
+        assert len(tokens) == 9 or p[-1] < threshold + 1e-5, p
+        lengths.append(len(tokens))
+    assert min(lengths) < 9  # the threshold cut some blocks here
+
+
+@pytest.mark.parametrize("cap", [4, 9])
+def test_greedy_output_with_a_confidence_threshold_equals_plain_decoding(target: Any, cap: int) -> None:
+    source = DraftModelSource(helpers.perturbed(target, 0.3, seed=4), confidence_threshold=0.5)
+    rng = random.Random(cap)
+    short = False
+    for _ in range(3):
+        prompt = [rng.randrange(helpers.VOCAB) for _ in range(rng.randint(1, 20))]
+        stop = StopRule(max_tokens=rng.randint(10, 40))
+        expected, _, _ = run(target, prompt, stop)
+        got, rounds, _ = run(target, prompt, stop, source=source, cap_policy=FixedCap(cap))
+        assert got == expected, prompt
+        short = short or any(0 < r.drafted < cap for r in rounds[:-1])
+        ids = source.cached_ids  # a block cut short fed one draft fewer: the cache still follows the history
+        assert list(ids) == (prompt + got)[: len(ids)]
+    assert short
+
+
+def test_a_threshold_out_of_range_is_refused(target: Any) -> None:
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        DraftModelSource(target, confidence_threshold=1.0)
+
+
 @pytest.mark.parametrize(
     ("sampling", "proposal", "draft"),
     [
@@ -169,6 +213,27 @@ def test_sampled_output_is_distributed_as_the_target(sampling: SamplingParams, p
         accepted += sum(r.accepted for r in rounds)
         rejected += sum(r.drafted - r.accepted for r in rounds)
     assert accepted > 0 and rejected > 0
+    assert set(observed) <= set(joint)
+    assert pooled_p_value(observed, joint) > 1e-3
+
+
+def test_sampled_output_with_a_confidence_stop_is_distributed_as_the_target() -> None:
+    """The stop ends a block on what was already drawn (a stopping time), so the law stays exact: the first 4
+    tokens (prefill, then a round of up to three drafts that the stop cuts short) against the exact joint."""
+    vocab = 8
+    model = helpers.tiny_target("qwen3", seed=5, vocab=vocab)
+    source = DraftModelSource(helpers.perturbed(model, 0.5, seed=6), confidence_threshold=0.3)
+    prompt = [3, 7]
+    sampling = SamplingParams(temperature=2.0)
+    joint = exact_joint(model, prompt, sampling, 4)
+    observed: Counter[tuple[int, ...]] = Counter()
+    lengths: Counter[int] = Counter()
+    for i in range(500):
+        s = SamplingParams(temperature=2.0, seed=i)
+        got, rounds, _ = run(model, prompt, StopRule(max_tokens=4), source=source, sampling=s, cap_policy=FixedCap(3))
+        observed[tuple(got)] += 1
+        lengths[rounds[0].drafted] += 1
+    assert lengths[1] > 0 and lengths[2] > 0  # blocks of the budget's two drafts, and blocks the stop cut to one
     assert set(observed) <= set(joint)
     assert pooled_p_value(observed, joint) > 1e-3
 
