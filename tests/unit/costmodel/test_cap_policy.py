@@ -119,3 +119,19 @@ def test_fixed_cap_never_changes() -> None:
     policy = FixedCap(3)
     assert policy.cap(0) == 3
     assert policy.observe(3, 0, 1.0, 0) is None
+
+
+def test_the_cap_grows_with_a_per_round_link_cost() -> None:
+    """A sharded target's calibrated verify includes its link's round trip once per forward, whatever the width.
+    That fixed cost is paid once a round, so the best cap grows with it (issue 31): a verify round amortises it."""
+    base = CostCurves(
+        verify_s={w: 0.050 + 0.008 * w for w in range(1, BLOCK + 2)}, draft_s={c: 0.006 * c for c in range(1, 8)}
+    )
+    acceptance = [0.7] * BLOCK
+    caps = []
+    for link in (0.0, 0.02, 0.1, 0.5):
+        linked = CostCurves(verify_s={w: s + link for w, s in base.verify_s.items()}, draft_s=dict(base.draft_s))
+        caps.append(best_cap(linked, acceptance, BLOCK))
+        policy = MeasuredCap(curves=linked, max_cap=BLOCK, acceptance=EwmaAcceptance(prior=0.7, positions=BLOCK))
+        assert policy.cap(0) == caps[-1]  # the policy decides as the model does
+    assert caps == sorted(caps) and caps[0] < caps[-1], caps
