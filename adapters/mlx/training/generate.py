@@ -25,6 +25,10 @@ host's per-step work vectorised (a Python loop over rows cost as much as the for
 started in length order within windows, ran at 40.1k / 46.4k tok/s at B = 1024 / 2048 (bf16, half the rows
 sampled at T 0.7, no nucleus cut, short prompts) and 30.9k tok/s over the real mixed set (mean prompt 117
 tokens, up to 640), where refill prefills cost most; the sort of a nucleus cut roughly halves the sampler.
+
+Targets whose caches the lock-step rows cannot hold (recurrent or convolutional layers: Qwen3-Next, LFM2,
+Nemotron-H; sliding windows: Gemma) generate one prompt at a time on mlx-lm's own caches (`generate_each`), with
+the same sampler: slower, exact for every family.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dspark.adapters.mlx import model_parts
 
@@ -142,6 +147,53 @@ def _step_logits(model: nn.Module, tokens: mx.array, caches: list[RowCache]) -> 
     return model_parts.lm_head(model, hidden[:, 0, :])
 
 
+def lock_step_fits(model: nn.Module) -> bool:
+    """Whether every layer's cache is a plain KV cache, which the lock-step rows replace (`RowCache`)."""
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
+def generate_each(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    temperatures: Sequence[float],
+    top_p: float | Sequence[float] = 1.0,
+    seed: int,
+    deadline: float | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> list[list[int] | None]:
+    """`generate_responses` one prompt at a time on the model's own mlx-lm caches: any family."""
+    n = len(prompts)
+    out: list[list[int] | None] = [None] * n
+    tops = [float(top_p)] * n if isinstance(top_p, (int, float)) else [float(x) for x in top_p]
+    eos = {int(t) for t in eos_ids}
+    key = mx.random.key(seed)
+    produced = 0
+    for i, prompt in enumerate(prompts):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        temp = mx.array([float(temperatures[i])], dtype=mx.float32)
+        top = mx.array([tops[i]], dtype=mx.float32)
+        nucleus = tops[i] < 1.0 and temperatures[i] > 0
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([list(prompt)]), cache=cache)[:, -1]
+        response: list[int] = []
+        while len(response) < max_new_tokens:
+            key, sub = mx.random.split(key)
+            token = int(sample_rows(logits, temp, top, sub, nucleus=nucleus).item())
+            response.append(token)  # the EOS token too: the drafter learns to stop
+            if token in eos:
+                break
+            logits = model(mx.array([[token]]), cache=cache)[:, -1]
+        out[i] = response
+        produced += len(response)
+        if progress is not None and ((i + 1) % 256 == 0 or i + 1 == n):
+            progress(i + 1, n, produced)
+    return out
+
+
 def generate_responses(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -159,7 +211,8 @@ def generate_responses(
     """Responses of the target to `prompts` (ending with the EOS token when it stopped on one).
 
     Args:
-        model: the mlx-lm target (full-attention KV layers: llama, qwen2/3 and the like).
+        model: the mlx-lm target (any family: one whose layers are not all plain KV attention runs
+            `generate_each`).
         prompts: prompt token ids (chat template already applied).
         eos_ids: tokens that end a response.
         max_new_tokens: response cap.
@@ -178,6 +231,11 @@ def generate_responses(
     out: list[list[int] | None] = [None] * n
     if n == 0:
         return out
+    if not lock_step_fits(model):
+        return generate_each(
+            model, prompts, eos_ids=eos_ids, max_new_tokens=max_new_tokens, temperatures=temperatures,
+            top_p=top_p, seed=seed, deadline=deadline, progress=progress,
+        )  # fmt: skip
     tops = [float(top_p)] * n if isinstance(top_p, (int, float)) else [float(x) for x in top_p]
     batch = max(1, min(batch, n))
     longest = max(len(p) for p in prompts)

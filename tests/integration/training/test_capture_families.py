@@ -62,16 +62,23 @@ def test_training_features_equal_the_serving_targets_in_every_family(family: str
 def test_a_drafter_trains_on_a_hybrid_or_gemma4_target_and_decodes_losslessly(
     family: str, kind: str, tmp_path: Path
 ) -> None:
-    # The trainer's side only: the data are the target's own greedy answers, decoded one request at a time.
+    # The trainer end to end: the data are the target's own greedy answers from the trainer's generator (these
+    # caches do not fit its lock-step rows, so it answers one prompt at a time), then training, then decoding.
     model = tiny_model(family, seed=3)
     n = len([layer for layer in model_parts._decoder(model).layers if layer is not None])
     target = MlxTargetModel(model)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(1, VOCAB - 2, size=int(rng.integers(4, 8)))] for _ in range(18)]
-    seqs = [(p + _greedy(target, p, None, 16), len(p)) for p in prompts]
-    plan = attrs.evolve(train_plan(kind), target_layers=(0, n - 1), batch=4, anchors=6, max_steps=8, checkpoint_every=8)
     handle = TrainingTarget(name="tiny", identity="tiny", tokenizer=None, handle=model, tokenizer_size=VOCAB - 1)  # type: ignore[arg-type]
-    facts = MlxDrafterTrainer(lambda name: handle).train(
+    trainer = MlxDrafterTrainer(lambda name: handle)
+    answers = trainer.generate(
+        handle, prompts, eos_ids=[], max_new_tokens=16, batch=8, temperatures=[0.0] * 18, top_p=1.0, seed=0,
+        time_budget_s=None,
+    )  # fmt: skip
+    assert answers[0] == _greedy(target, prompts[0], None, 16)
+    seqs = [(p + a, len(p)) for p, a in zip(prompts, answers, strict=True) if a is not None]
+    plan = attrs.evolve(train_plan(kind), target_layers=(0, n - 1), batch=4, anchors=6, max_steps=8, checkpoint_every=8)
+    facts = trainer.train(
         handle, plan, seqs[:14], seqs[14:], out_dir=str(tmp_path / kind), resume=False, card=lambda f: "card\n"
     )
     assert facts["finished"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dspark.adapters.mlx.training.generate import RowCache, generate_responses, sample_rows
+from mlx_dspark.adapters.mlx.training.generate import RowCache, generate_responses, lock_step_fits, sample_rows
 from mlx_dspark.domain.tokens import SamplingParams
 from mlx_dspark.domain.verification.distribution import distribution
 from tests.fakes.tiny_models import VOCAB, tiny_model
@@ -135,6 +135,29 @@ def test_a_deadline_stops_new_prompts() -> None:
     # Prompts start shortest first within a window (less refill padding).
     assert sorted(len(prompts[i]) for i in started) == sorted(len(p) for p in prompts)[:4]
     assert all(got[i] == _single_greedy(model, prompts[i], 6, set()) for i in started)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "nemotron_h", "gemma3_text"])
+def test_recurrent_and_windowed_targets_generate_one_prompt_at_a_time_exactly(family: str) -> None:
+    """Recurrent, convolutional and sliding-window caches do not fit the lock-step rows: such a target generates
+    each prompt on its own mlx-lm caches, greedy rows equal to single-sequence greedy, seeds reproducible."""
+    model = tiny_model(family, seed=3, vocab_size=VOCAB)
+    assert not lock_step_fits(model) and lock_step_fits(tiny_model("qwen3", seed=3))
+    prompts = _prompts(5, 9)
+    eos = {5, 17, 40}
+    temps = [0.0, 0.9, 0.0, 0.9, 0.0]
+
+    def run(seed: int, deadline: float | None = None) -> list[list[int] | None]:
+        return generate_responses(
+            model, prompts, eos_ids=sorted(eos), max_new_tokens=12, batch=4, temperatures=temps, top_p=0.9,
+            seed=seed, deadline=deadline,
+        )  # fmt: skip
+
+    a = run(1)
+    for i in (0, 2, 4):
+        assert a[i] == _single_greedy(model, prompts[i], 12, eos)
+    assert a == run(1) and a != run(2)  # the sampled rows follow the seed
+    assert all(r is None for r in run(1, deadline=0.0))  # past the deadline nothing starts
 
 
 @pytest.mark.parametrize(
