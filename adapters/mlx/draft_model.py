@@ -56,6 +56,8 @@ class DraftModelSource:
         model: the draft model's mlx-lm module.
         identity: the draft model's own identity (its calibrated cost curves are stored under it).
         proposal: "sample" (sampled requests draw from q) or "argmax" (always the argmax, one-hot q).
+        confidence_threshold: in [0, 1); > 0 ends a block after a draft the draft model gave less than it
+            (0: every block runs to its cap; the loader passes DEFAULT_STOP unless told otherwise).
     """
 
     def __init__(
