@@ -1,10 +1,11 @@
 """Use case: `--mode auto` picks the draft source for a (target, drafter) pair by measurement.
 
 A short race on built-in prompts gives the first estimates (stored with the calibration); online, the
-AutoSelector runs every request under a SourceArbiter (the domain's rule) that measures each candidate,
-plain decoding included, on the user's own prompt and moves the request to the best of them between
-rounds, re-probing paused ones with exponential backoff. Every round is verified by the target, so any
-choice is lossless.
+AutoSelector runs every request under a ForecastArbiter (the domain's rule), which forecasts each
+candidate's rate on the user's own prompt (seconds per round from a cost book every request teaches,
+tokens per round measured where it is free: lookup's rounds replayed on the committed tokens) and moves
+the request to the best forecast between rounds. Every round is verified by the target, so any choice is
+lossless.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from mlx_dspark.application.calibration import CalibrationPlan, Progress, curves
 from mlx_dspark.application.data import load_prompts
 from mlx_dspark.application.engine import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel
-from mlx_dspark.domain.costmodel.arbiter import ArbiterConfig, SourceArbiter
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, MeasuredCap
+from mlx_dspark.domain.costmodel.forecast import CostBook, ForecastArbiter, ForecastConfig
+from mlx_dspark.domain.drafting.lookup import ShadowLookup
 from mlx_dspark.domain.drafting.selection import FixedSelector, Selection, SourceSelector, SourceSwitcher
 from mlx_dspark.domain.events import Finished, SourceSwitched, Usage
 from mlx_dspark.domain.ports import Clock, DraftSource
@@ -30,7 +32,7 @@ from mlx_dspark.domain.tokens import SamplingParams, StopRule
 
 CapPolicyFactory = Callable[[], CapPolicy]
 RACE_PROMPTS = ("chat-03", "code-02", "math-05")
-DEFAULT_RULE = ArbiterConfig()
+DEFAULT_RULE = ForecastConfig()
 PROBE_CAP = 2  # drafts per round of a source whose cap policy has paused it but which auto probes
 
 
@@ -74,8 +76,14 @@ def race(
     *,
     max_tokens: int = 32,
     progress: Progress | None = None,
+    curves: Mapping[str, CostCurves] | None = None,
 ) -> dict[str, float]:
-    """Measured decode tokens per second of each candidate on `prompts` (greedy, a short warm-up each).
+    """Decode tokens per second of each candidate on `prompts` (greedy, a short warm-up each).
+
+    With `curves`, a candidate that has them is rated at the calibrated seconds of its rounds (tokens per
+    round ÷ the curves' round time at its mean drafts per round) instead of the wall clock: acceptance is
+    what the race learns. The curves time every width after a warm-up, while a race on a device that
+    compiles kernels on first use (a GPU) charged each new shape to whichever candidate met it first.
 
     Returns:
         Mode name → decode tokens per second (0.0 when it generated nothing).
@@ -85,7 +93,7 @@ def race(
     total = max(len(candidates) * (len(prompts) + 1), 1)
     done = 0
     for name, source in candidates.items():
-        tokens, seconds = 0, 0.0
+        tokens, seconds, rounds, drafted = 0, 0.0, 0, 0
         for i, prompt in enumerate([prompts[0], *prompts]):
             policy = policies[name]() if source is not None else None
             usage = None
@@ -97,10 +105,16 @@ def race(
             if i > 0 and usage is not None:  # the first run only warms up
                 tokens += max(usage.generated_tokens - 1, 0)
                 seconds += usage.decode_s
+                rounds += usage.rounds
+                drafted += usage.drafted
             done += 1
             if progress is not None:
                 progress(f"race {name}", done / total)
-        rates[name] = tokens / seconds if seconds > 0 else 0.0
+        cost = (curves or {}).get(name)
+        if cost is not None and rounds > 0:
+            rates[name] = (tokens / rounds) / max(cost.round_seconds(round(drafted / rounds)), 1e-9)
+        else:
+            rates[name] = tokens / seconds if seconds > 0 else 0.0
     model.target.reset(0)
     return rates
 
@@ -110,27 +124,30 @@ class _Candidate:
     source: DraftSource | None
     rate: float  # EWMA of observed decode tokens/s, seeded from the race
     race: float  # what the race measured (the fixed prior of seeded requests)
+    accept: float = 0.0  # EWMA of tokens per round over earlier requests (0 = never measured)
+    drafted: float = 0.0  # and of drafts per round
 
 
 class AutoSelector:
     """`--mode auto` online: adapts within each request on the user's own prompt.
 
-    Every request gets a `SourceArbiter` (domain/costmodel/arbiter.py) over all candidates, plain
-    decoding included: it starts on the candidate with the best estimate, judges each by its measured
-    rounds on this prompt (tokens per round ÷ the round's seconds, against plain decoding's step),
-    pauses a loser and re-probes it with exponential backoff, so the request converges to the best of
-    {plain, each source}. The running source's cap policy (a MeasuredCap on the calibrated curves) may
-    pause it too: the request then leaves it at once. Between requests the selector keeps each
-    candidate's measured rate (an EWMA seeded with the race: the next request's priors) and the backoff
-    of a candidate that kept losing, so a loser is not re-probed at the start of every request; the next
-    request starts on the candidate that did best on the last one. Cap policies are fresh per request,
-    as in fixed modes.
+    Every request gets a `ForecastArbiter` (domain/costmodel/forecast.py) over all candidates, plain
+    decoding included. It forecasts each candidate's rate on this prompt: seconds per round from the
+    selector's `CostBook` (seeded with the calibrated curves, taught by every measured round of every
+    request), tokens per round from the running source's rounds, from lookup's rounds replayed on the
+    committed tokens (`ShadowLookup`: no lookup round has to run to know it), and for a drafter not
+    running from its prior scaled by how the running drafter does against its own. The request runs the
+    best forecast, moving when another's beats the running source's estimate by the margin; the running
+    source's cap policy (a MeasuredCap on the calibrated curves) may move it too. Between requests the
+    selector keeps each candidate's measured rate and tokens per round (EWMAs seeded with the race: the
+    next request's priors); the next request starts on the candidate that did best on the last one. Cap
+    policies are fresh per request, as in fixed modes.
 
     Seeded sampling must repeat token for token, and the uniforms a round draws depend on which source
-    runs it, so a seeded request decides on modelled costs instead of wall time: the calibrated curves'
-    round seconds (a constant per round without curves), fresh cap policies fed those same seconds, and
-    the race as its fixed prior. Greedy and unseeded requests decide on wall time. The target verifies
-    every round, so no choice changes greedy output. Each move is a SourceSwitched event.
+    runs it, so a seeded request decides on modelled costs instead of wall time: a cost book that only
+    holds the calibrated curves, fresh cap policies fed those same seconds, and the race as its fixed
+    prior. Greedy and unseeded requests decide on wall time. The target verifies every round, so no
+    choice changes greedy output. Each move is a SourceSwitched event.
     """
 
     def __init__(
@@ -140,7 +157,7 @@ class AutoSelector:
         rates: Mapping[str, float],
         *,
         curves: Mapping[str, CostCurves] | None = None,
-        config: ArbiterConfig = DEFAULT_RULE,
+        config: ForecastConfig = DEFAULT_RULE,
         alpha: float = 0.5,
         in_request: bool = True,
     ) -> None:
@@ -159,7 +176,7 @@ class AutoSelector:
         self._config = config
         self._alpha = alpha
         self._in_request = in_request
-        self._carried: dict[str, tuple[int, int]] = {}
+        self.costs = CostBook(self._seed_seconds)
         self._winner = self._best_by(lambda c: c.race)
         self.current = self._winner
         self._last = self.current  # the source the last request ended on
@@ -176,6 +193,38 @@ class AutoSelector:
     def rates(self) -> dict[str, float]:
         """Current throughput estimates per candidate."""
         return {name: c.rate for name, c in self._candidates.items()}
+
+    def priors(self) -> dict[str, float]:
+        """What the next request expects of each candidate, tok/s: tokens per round over earlier requests
+        at the cost book's seconds for that many drafts (so a source found slow is known slow at once),
+        else the measured rate (the race's until a request ran it); plain decoding from the cost book."""
+        out = {}
+        for name, c in self._candidates.items():
+            if c.source is None and self.plain_known():
+                out[name] = 1.0 / self.costs.seconds(name, 0)
+            elif c.accept > 0:
+                out[name] = c.accept / self.costs.seconds(name, round(c.drafted))
+            else:
+                out[name] = c.rate
+        return out
+
+    def plain_known(self) -> bool:
+        """Whether plain decoding's step has a cost beyond the race (curves, or a measured step)."""
+        plain = self.plain
+        return plain is not None and (plain in self._curves or self.costs.knows(plain))
+
+    def _seed_seconds(self, name: str, drafted: int) -> float:
+        """A round's seconds before any was measured: the calibrated curves (the source's own; for a source
+        without curves a verify of its width on plain decoding's), else one plain step at the race's rate."""
+        own = self._curves.get(name)
+        if own is not None:
+            return own.round_seconds(drafted)
+        plain = self.plain
+        base = self._curves.get(plain) if plain is not None else None
+        if base is not None:
+            return base.round_seconds(0) + base.verify(drafted + 1) - base.verify(1)
+        rate = self._candidates[plain].race if plain is not None else 0.0
+        return 1.0 / rate if rate > 0 else 1.0
 
     def _best_by(self, key: Callable[[_Candidate], float]) -> str:
         # On a tie plain decoding wins: it needs no drafter.
@@ -234,11 +283,13 @@ class AutoSelector:
         if seeded:
             start = self._winner
             priors = {n: c.race for n, c in self._candidates.items()}
-            carried: dict[str, tuple[int, int]] = {}
+            accept: dict[str, float] = {}
+            costs = CostBook(self._seed_seconds, frozen=True)
         else:
-            start = self.current
-            priors = {n: c.rate for n, c in self._candidates.items()}
-            carried = dict(self._carried)
+            priors = self.priors()
+            start = max(priors, key=lambda n: (priors[n], self._candidates[n].source is None))
+            accept = {n: c.accept for n, c in self._candidates.items()}
+            costs = self.costs
         switched = None
         if start != self._last:
             switched = SourceSwitched(
@@ -252,10 +303,20 @@ class AutoSelector:
             if policy is not None and lane is not None and lane.policy is not None and not seeded:
                 policy = lane.policy(policy)
             return self._selection(start, policy, switched, None, lane)
-        arbiter = SourceArbiter(
-            list(self._candidates), start=start, priors=priors, plain=self.plain, carried=carried, config=self._config
+        sources = lane.sources if lane is not None else self.sources()
+        # Sources whose rounds can be replayed on the committed tokens (lookup) are forecast, never run to learn.
+        shadows = {n: src.shadow() for n, src in sources.items() if callable(getattr(src, "shadow", None))}
+        arbiter = ForecastArbiter(
+            list(self._candidates),
+            start=start,
+            priors=priors,
+            acceptance=accept,
+            plain=self.plain,
+            shadowed=shadows,
+            costs=costs,
+            config=self._config,
         )
-        switcher = _RequestSwitcher(self, arbiter, seeded=seeded, lane=lane)
+        switcher = _RequestSwitcher(self, arbiter, shadows, seeded=seeded, lane=lane)
         return switcher.selection(start, switched)
 
     def finished(self, selection: Selection, usage: Usage) -> None:
@@ -264,12 +325,6 @@ class AutoSelector:
             self._last = usage.source
         elif usage.decode_s > 0 and usage.generated_tokens > 1:
             self._fold(selection.name, (usage.generated_tokens - 1) / usage.decode_s)
-
-
-def _modelled_seconds(curves: CostCurves | None) -> Callable[[int, int], float]:
-    if curves is None:
-        return lambda drafted, depth: 1.0
-    return curves.round_seconds
 
 
 class _AutoCap:
@@ -281,7 +336,7 @@ class _AutoCap:
     request feeds the policy modelled round seconds so its decisions repeat.
     """
 
-    def __init__(self, inner: CapPolicy, floor: int, seconds: Callable[[int, int], float] | None) -> None:
+    def __init__(self, inner: CapPolicy, floor: int, seconds: Callable[[int], float] | None) -> None:
         self.inner = inner
         self._floor = floor
         self._seconds = seconds
@@ -295,25 +350,28 @@ class _AutoCap:
 
     def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
         if self._seconds is not None:
-            seconds = self._seconds(drafted, depth)
+            seconds = self._seconds(drafted)
         decision = self.inner.observe(drafted, accepted, seconds, depth)
         self.paused = decision is not None and decision.new == 0
         return decision
 
 
 class _RequestSwitcher:
-    """One request's SourceSwitcher: feeds each round to the arbiter and hands the request over."""
+    """One request's SourceSwitcher: feeds each round (and lookup's replayed ones) to the arbiter and
+    hands the request over."""
 
     def __init__(
         self,
         owner: AutoSelector,
-        arbiter: SourceArbiter,
+        arbiter: ForecastArbiter,
+        shadows: Mapping[str, ShadowLookup],
         *,
         seeded: bool,
         lane: _Lane | None = None,
     ) -> None:
         self._owner = owner
         self.arbiter = arbiter
+        self._shadows = dict(shadows)
         self._seeded = seeded
         self._lane = lane
         self._closed = False
@@ -327,7 +385,8 @@ class _RequestSwitcher:
             inner = self._owner._factories[name]()  # fresh per request, as fixed modes get
             if self._lane is not None and self._lane.policy is not None and not self._seeded:
                 inner = self._lane.policy(inner)
-            model = _modelled_seconds(self._owner._curves.get(name)) if self._seeded else None
+            book = self.arbiter.costs
+            model = (lambda drafted: book.seconds(name, drafted)) if self._seeded else None
             self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block), model)
         return self._caps[name]
 
@@ -335,19 +394,28 @@ class _RequestSwitcher:
         return self._owner._selection(name, self._cap(name), switched, self, self._lane)
 
     def after_round(
-        self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0
+        self,
+        name: str,
+        committed: int,
+        seconds: float,
+        *,
+        drafted: int = 0,
+        depth: int = 0,
+        history: Sequence[int] = (),
     ) -> Selection | None:
         if self._lane is not None and self._lane.hold is not None and not self._seeded and self._lane.hold():
             return None
         if self._seeded:
-            plain = self._owner.plain
-            curves = self._owner._curves.get(name) or (self._owner._curves.get(plain) if plain else None)
-            seconds = _modelled_seconds(curves)(drafted, depth)
+            seconds = self.arbiter.costs.seconds(name, drafted)
         cap = self._caps.get(name)
         paused = cap is not None and cap.paused
         if cap is not None:
             cap.paused = False
-        self.arbiter.record(name, committed, seconds)
+        self.arbiter.record(name, committed, seconds, drafted)
+        if history:
+            for shadowed, shadow in self._shadows.items():
+                for tokens, drafts in shadow.advance(history, start=len(history) - committed):
+                    self.arbiter.shadow(shadowed, tokens, drafts)
         move = self.arbiter.decide(paused=paused)
         if move is None:
             return None
@@ -365,10 +433,14 @@ class _RequestSwitcher:
         measured = self.arbiter.measured()
         for name, rate in measured.items():
             owner._fold(name, rate)
-        if measured:  # the next request starts on what did best on this one
-            owner.current = max(measured, key=lambda n: (measured[n], owner._candidates[n].source is None))
-        self.arbiter.close()
-        owner._carried = self.arbiter.carried()
+        for name, (tokens, drafted) in self.arbiter.acceptance().items():
+            cand = owner._candidates[name]
+            fresh = cand.accept <= 0
+            cand.accept = tokens if fresh else cand.accept + owner._alpha * (tokens - cand.accept)
+            cand.drafted = drafted if fresh else cand.drafted + owner._alpha * (drafted - cand.drafted)
+        # The next request starts on the best estimate over requests: one prompt's winner says little of the next.
+        priors = owner.priors()
+        owner.current = max(priors, key=lambda n: (priors[n], owner._candidates[n].source is None))
 
 
 @attrs.frozen
@@ -421,7 +493,8 @@ class AutoChoice:
 def race_key(model: LoadedModel, candidates: Mapping[str, DraftSource | None], bits: int | None) -> CalibrationKey:
     """The store key of a race: the target plus every candidate's identity."""
     names = ",".join(sorted(f"{name}={drafter_identity(name, src)}" for name, src in candidates.items()))
-    return CalibrationKey(target=model.identity, drafter=f"race:{names}", drafter_bits=bits)
+    # "race2": rated on the calibrated curves (a race stored before timed the wall clock).
+    return CalibrationKey(target=model.identity, drafter=f"race2:{names}", drafter_bits=bits)
 
 
 def measure_and_choose(
@@ -482,7 +555,7 @@ def measure_and_choose(
         rates = {name: stored.race[name] for name in cands}
     else:
         prompts = [list(p) for p in race_prompts] if race_prompts else race_prompt_ids(model)
-        rates = race(model, cands, policies, clock, prompts, max_tokens=race_tokens, progress=progress)
+        rates = race(model, cands, policies, clock, prompts, max_tokens=race_tokens, progress=progress, curves=curves)
     # On a tie plain decoding wins: it needs no drafter memory.
     winner = max(cands, key=lambda n: (rates.get(n, 0.0), cands[n] is None))
     if not from_cache:

@@ -395,7 +395,7 @@ class RequestDecoder:
         assert self._switcher is not None
         now = self._clock.now()
         nxt = self._switcher.after_round(
-            self._current.name, produced, now - self._round_start, drafted=drafted, depth=depth
+            self._current.name, produced, now - self._round_start, drafted=drafted, depth=depth, history=self._history
         )
         self._round_start = now
         if finish is None and nxt is not None and nxt.name != self._current.name:

@@ -1,5 +1,5 @@
 """Record per-round traces of each fixed mode (and auto's own run) on the held-out prompts, for tuning the
-auto rule (`domain/costmodel/arbiter.py`) offline on real rounds instead of a 15-minute bench per try.
+auto rule (`domain/costmodel/forecast.py`) offline on real rounds instead of a 15-minute bench per try.
 
 Per prompt and mode, one greedy request from an empty cache: every round's committed tokens (an EOS that
 ends the request counts, as the decode loop reports it to auto), wall seconds between consecutive round
@@ -84,16 +84,16 @@ def main() -> int:
         runner.generate(GenerationRequest(prompt=prompts[0].prompt, max_tokens=8, sampling=greedy, prefix_cache=False))
     out: dict[str, Any] = {"model": model.identity, "max_tokens": args.max_tokens, "prompts": []}
     for pr in prompts:
-        entry: dict[str, Any] = {"id": pr.id, "cls": pr.cls, "modes": {}}
+        request = GenerationRequest(prompt=pr.prompt, max_tokens=args.max_tokens, sampling=greedy, prefix_cache=False)
+        prompt_ids = next(iter(runners.values())).encode_prompt(request)
+        entry: dict[str, Any] = {"id": pr.id, "cls": pr.cls, "prompt_ids": prompt_ids, "modes": {}}
         for mode, runner in runners.items():
             model.target.reset(0)
             rec = _Recorder(runner._telemetry)
             runner._telemetry = rec
             try:
                 start = time.perf_counter()
-                r = runner.generate(
-                    GenerationRequest(prompt=pr.prompt, max_tokens=args.max_tokens, sampling=greedy, prefix_cache=False)
-                )
+                r = runner.generate(request)
             finally:
                 runner._telemetry = rec.inner
             # the first round's clock starts when decoding does (after prefill)

@@ -560,7 +560,16 @@ class _MemoryCalibrations:
 class _Stay:
     """A SourceSwitcher that never moves: its request records features as an auto request does."""
 
-    def after_round(self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0) -> None:
+    def after_round(
+        self,
+        name: str,
+        committed: int,
+        seconds: float,
+        *,
+        drafted: int = 0,
+        depth: int = 0,
+        history: Sequence[int] = (),
+    ) -> None:
         return None
 
 

@@ -21,7 +21,7 @@ class CalibrationKey:
 
     Attributes:
         target: target identity (repo id or path + revision or content hash), never a basename.
-        drafter: drafter identity ("none", "lookup:block=8", "dspark:<repo>@<rev>", "race:<kinds>").
+        drafter: drafter identity ("none", "lookup:block=8", "dspark:<repo>@<rev>", "race2:<kinds>").
         drafter_bits: drafter quantization (None = as loaded).
     """
 

@@ -45,6 +45,63 @@ class NgramIndex:
         return []
 
 
+class _Prefix(Sequence[int]):
+    """The first `n` tokens of a list, without copying (what the history was when a round began)."""
+
+    def __init__(self, seq: Sequence[int], n: int) -> None:
+        self._seq, self._n = seq, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+        if isinstance(i, slice):
+            return self._seq[slice(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._seq[i % self._n]
+
+
+class ShadowLookup:
+    """n-gram lookup's rounds replayed on the tokens a request really committed.
+
+    A lookup round at history length p drafts the continuation of the history's suffix and commits its
+    matching prefix plus one token; the next round begins after them. Greedy output is the same whatever
+    source runs, so on the committed tokens this is exactly what lookup would have done; under sampling it
+    is what lookup's drafts would have matched. Host work only: an n-gram table lookup per round.
+    """
+
+    def __init__(self, block: int, min_n: int = 2, max_n: int = 4) -> None:
+        self._block = block
+        self._index = NgramIndex(min_n, max_n)
+        self._cursor: int | None = None
+
+    def advance(self, history: Sequence[int], start: int) -> list[tuple[int, int]]:
+        """Every shadow round the history now decides: (tokens committed, tokens drafted) per round.
+
+        Args:
+            history: prompt and every committed token so far.
+            start: where replay begins when this is the first call (the first round's history length).
+        """
+        if self._cursor is None:
+            self._cursor = start
+        out = []
+        while self._cursor < len(history):
+            p = self._cursor
+            draft = self._index.continuation(_Prefix(history, p), self._block)
+            known = len(history) - p  # tokens after p already committed
+            matched = 0
+            while matched < len(draft) and matched < known and draft[matched] == history[p + matched]:
+                matched += 1
+            if matched < len(draft) and matched >= known:
+                break  # the round's outcome waits for tokens not committed yet
+            if matched + 1 > known:
+                break  # its bonus token is not committed yet
+            out.append((matched + 1, len(draft)))
+            self._cursor = p + matched + 1
+        return out
+
+
 class LookupDraftSource:
     """The DraftSource port over an n-gram index of prompt + generated tokens."""
 
@@ -67,13 +124,15 @@ class LookupDraftSource:
     def begin(self, prompt: Sequence[int]) -> None:
         self._index.reset()
 
+    def shadow(self) -> ShadowLookup:
+        """A replay of this source's rounds on tokens committed by any source (auto's free forecast)."""
+        return ShadowLookup(self._block, self._index.min_n, self._index.max_n)
+
     def fork(self) -> LookupDraftSource:
         """A source with the same settings and its own index (one per batched request)."""
         return LookupDraftSource(self._block, self._index.min_n, self._index.max_n)
 
-    def propose(
-        self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
-    ) -> DraftBlock:
+    def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
         tokens = self._index.continuation(ctx.history, min(cap, self._block))
         if not tokens:
             return EMPTY_BLOCK

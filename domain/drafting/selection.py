@@ -25,10 +25,18 @@ class SourceSwitcher(Protocol):
     """Asked by the decode loop after every round of a request (auto mode)."""
 
     def after_round(
-        self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0
+        self,
+        name: str,
+        committed: int,
+        seconds: float,
+        *,
+        drafted: int = 0,
+        depth: int = 0,
+        history: Sequence[int] = (),
     ) -> Selection | None:
         """The round of source `name` committed `committed` tokens in `seconds` (wall time per round),
-        after drafting `drafted` tokens at context depth `depth`.
+        after drafting `drafted` tokens at context depth `depth`; `history` is the prompt and every token
+        committed so far, this round's last (read only: what other sources would have drafted on it).
 
         Returns:
             The selection to run from the next round on (its `switched` is yielded), or None to stay.

@@ -3,12 +3,17 @@ output stays lossless, and the online switcher moves to a source that is really 
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
-from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory, measure_and_choose
+import pytest
+
+from mlx_dspark.application.auto_mode import AutoSelector, cap_policy_factory, measure_and_choose, race
 from mlx_dspark.application.calibration import CalibrationPlan
 from mlx_dspark.application.engine import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
+from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap, MeasuredCap
 from mlx_dspark.domain.events import CapChanged, SourceSwitched, TokensCommitted
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
@@ -40,10 +45,36 @@ def test_race_picks_the_faster_source_and_caches_it() -> None:
     choice = measure_and_choose(store, loaded(target), cands, clock, plan=PLAN, race_tokens=16, online=False)
     selection = choice.selector.select([1, 2, 3])
     assert choice.mode == "fast" and selection.source is fast and not choice.from_cache
-    assert choice.rates["fast"] > choice.rates["none"] > choice.rates["slow"]
+    # "slow"'s cap policy pauses it (its drafting cannot pay): its rounds are plain steps, rated as such.
+    assert choice.rates["fast"] > choice.rates["none"] >= choice.rates["slow"]
     assert isinstance(selection.policy, MeasuredCap)
     again = measure_and_choose(store, loaded(target), cands, clock, plan=PLAN, race_tokens=16, online=False)
     assert again.from_cache and again.mode == "fast"
+
+
+def test_the_race_rates_rounds_at_the_calibrated_seconds_not_the_first_use_cost() -> None:
+    """A device that compiles kernels on first use charges each new shape to whoever meets it first: the
+    race learns acceptance from its runs and prices the rounds with the calibrated curves."""
+    clock, target = setup()
+    calls = itertools.count()
+    # Its first dozen drafts pay a 2 s "compile"; warm, a draft costs 1 ms a token.
+    jit = TimedSource(target, lambda cap: 2.0 if next(calls) < 12 else 0.001 * cap, block=6, name="jit")
+    cands = {"jit": jit, "none": None}
+    curves = {
+        "jit": CostCurves(verify_s={1: 0.05, 7: 0.056}, draft_s={1: 0.001, 6: 0.006}),
+        "none": CostCurves(verify_s={1: 0.05, 7: 0.056}),
+    }
+    policies = {"jit": cap_policy_factory(6, None, 6)}
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    walled = race(loaded(target), cands, policies, clock, prompts, max_tokens=16)
+    assert walled["jit"] < walled["none"]  # the wall clock charged the compiles to the drafter
+    calls = itertools.count()  # and the rated race pays them all again
+    rated = race(loaded(target), cands, policies, clock, prompts, max_tokens=16, curves=curves)
+    assert rated["none"] == pytest.approx(1 / 0.05)
+    # A perfect drafter at cap 6 commits 7 tokens a round (the last round of 16 commits what is left).
+    tokens_per_round = 15 / math.ceil(15 / 7)
+    assert rated["jit"] == pytest.approx(tokens_per_round / (0.006 + 0.056), rel=0.2)
+    assert rated["jit"] > 2 * rated["none"]
 
 
 def test_plain_decoding_wins_when_speculation_cannot() -> None:

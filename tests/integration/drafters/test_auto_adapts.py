@@ -202,7 +202,14 @@ class Rotate:
         self.rounds = 0
 
     def after_round(
-        self, name: str, committed: int, seconds: float, *, drafted: int = 0, depth: int = 0
+        self,
+        name: str,
+        committed: int,
+        seconds: float,
+        *,
+        drafted: int = 0,
+        depth: int = 0,
+        history: Sequence[int] = (),
     ) -> Selection | None:
         self.rounds += 1
         if self.rounds % self.every:

@@ -1,0 +1,296 @@
+"""Which source runs the next round of an auto request: forecasts of every candidate's rate, not probes.
+
+A request cannot afford to try every source on its own prompt: on a 128-token answer, probing three
+losers for a few rounds each costs more than the best of them gains (auto ran at 0.87-0.93 of the best
+fixed mode that way, on the CPU and the H200 alike). So auto forecasts what each candidate would do here
+and runs the best forecast; a rate is tokens per round ÷ seconds per round, split into its two factors:
+
+- *seconds per round* hardly depend on the prompt: the `CostBook` learns them per (source, drafts) from
+  every round any request ran, starting from the calibrated curves;
+- *tokens per round* do, and are measured where that is free: plain decoding commits one; n-gram lookup's
+  rounds are replayed on the tokens actually committed (`drafting.lookup.ShadowLookup`: exact for greedy
+  output, host work only); the running source's are its own rounds. A drafter not running is forecast
+  from its prior (what earlier requests or the race measured), scaled by how the running drafter does
+  against its own prior: prompts easy for one drafter are easy for the other. A drafter never measured
+  on this prompt whose forecast comes near the running source's gets one first look (a prior averages
+  other prompts; on code or math a drafter does far better than on chat). A drafter measured here and
+  then left keeps that measurement, which relaxes towards the prior (half-life `relax` rounds, doubled
+  each time it loses again), so a request whose text changes character gets it back.
+
+A switch needs a forecast `margin` ahead of the running source's estimate (a switch has a cost, and a
+forecast an error), after `settle` measured rounds of the running stint; the first round of a stint is
+not measured (it pays the switch). Pure bookkeeping over numbers: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class ForecastConfig:
+    """Knobs of the rule (rounds, not seconds: the rule never reads a clock).
+
+    Attributes:
+        margin: a candidate's forecast must beat the running source's estimate by this fraction.
+        settle: measured rounds of a stint before the running source is compared with the others.
+        alpha: weight of the newest round in a running estimate.
+        relax: rounds over which a left drafter's measurement goes halfway back to its prior.
+        look: a drafter never measured on this prompt gets one first look (a stint of `settle` rounds)
+            when its forecast is at least (1 - look) of the running source's estimate: a prior is an
+            average over other prompts, and on code or math a drafter does far better than on chat.
+    """
+
+    margin: float = 0.2
+    look: float = 0.3
+    settle: int = 3
+    alpha: float = 0.08
+    relax: int = 64
+
+    def __attrs_post_init__(self) -> None:
+        if self.margin < 0 or self.settle < 1 or self.relax < 1 or not 0 < self.alpha <= 1 or not 0 <= self.look <= 1:
+            raise ValueError("need margin >= 0, settle >= 1, relax >= 1, 0 < alpha <= 1 and 0 <= look <= 1")
+
+
+class CostBook:
+    """Seconds per round of each source by its number of drafts, learned from measured rounds.
+
+    An unmeasured (source, drafts) costs its seed (the calibrated curves' round seconds) times what this
+    source's measured rounds ran against their seeds, so one slow round teaches every width of that source.
+    `frozen` books never learn (a seeded request's schedule must not follow the wall clock).
+    """
+
+    def __init__(self, seed: Callable[[str, int], float], *, alpha: float = 0.2, frozen: bool = False) -> None:
+        self._seed = seed
+        self._alpha = alpha
+        self._frozen = frozen
+        self._learned: dict[tuple[str, int], float] = {}
+        self._ratio: dict[str, float] = {}
+
+    def seconds(self, name: str, drafted: int) -> float:
+        """The forecast seconds of one round of `name` drafting `drafted` tokens."""
+        learned = self._learned.get((name, drafted))
+        if learned is not None:
+            return learned
+        return max(self._seed(name, drafted), 1e-9) * self._ratio.get(name, 1.0)
+
+    def knows(self, name: str) -> bool:
+        """Whether a round of `name` was measured."""
+        return name in self._ratio
+
+    def observe(self, name: str, drafted: int, seconds: float) -> None:
+        """One measured round."""
+        if self._frozen or not seconds > 0:
+            return
+        key = (name, drafted)
+        old = self._learned.get(key)
+        self._learned[key] = seconds if old is None else old + self._alpha * (seconds - old)
+        ratio = seconds / max(self._seed(name, drafted), 1e-9)
+        prev = self._ratio.get(name)
+        self._ratio[name] = ratio if prev is None else prev + self._alpha * (ratio - prev)
+
+
+@attrs.frozen(kw_only=True)
+class Switch:
+    """The rule moved the request: from the next round on, `new` runs."""
+
+    old: str
+    new: str
+    reason: str
+
+
+@attrs.define
+class _Estimate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    drafted: float = 0.0
+    rounds: int = 0
+    at: int = 0  # the request round of its latest measurement
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, tokens: float, seconds: float, drafted: int, alpha: float, at: int) -> None:
+        w = max(alpha, 1.0 / (self.rounds + 1))
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.drafted += w * (drafted - self.drafted)
+        self.rounds += 1
+        self.at = at
+
+
+class ForecastArbiter:
+    """The per-request rule over named candidates (see the module docstring).
+
+    Args:
+        names: the candidates.
+        start: the candidate that runs first.
+        priors: tok/s per candidate from before this request (race or earlier requests); 0 or missing =
+            unknown (an unknown drafter is forecast at plain decoding's rate until it runs).
+        acceptance: tokens per round per candidate from earlier requests (0 or missing = unknown): how a
+            running drafter does here against its own scales the other drafters' priors.
+        plain: the name of plain decoding, if it is a candidate (forecast from the cost book alone).
+        shadowed: candidates whose rounds the caller replays (`shadow`) instead of running them.
+        costs: the cost book, shared across requests (a seeded request passes a frozen copy).
+        config: the knobs.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        start: str,
+        priors: Mapping[str, float] | None = None,
+        acceptance: Mapping[str, float] | None = None,
+        plain: str | None = None,
+        shadowed: Collection[str] = (),
+        costs: CostBook,
+        config: ForecastConfig = ForecastConfig(),
+    ) -> None:
+        if start not in names:
+            raise ValueError(f"start {start!r} is not a candidate")
+        self.config = config
+        self.names = list(dict.fromkeys(names))
+        self.plain = plain if plain in self.names else None
+        self.shadowed = frozenset(n for n in shadowed if n in self.names and n != self.plain)
+        self.costs = costs
+        self._prior = {n: max(0.0, float((priors or {}).get(n, 0.0))) for n in self.names}
+        self._accept = {n: max(0.0, float((acceptance or {}).get(n, 0.0))) for n in self.names}
+        self._est: dict[str, _Estimate] = {}
+        self._relax = dict.fromkeys(self.names, config.relax)
+        self.running = start
+        self._stint = 0
+        self._measured_in_stint = 0
+        self._round = 0
+        self.rounds: dict[str, int] = dict.fromkeys(self.names, 0)
+        self.switches = 0
+
+    # ---- reading
+
+    def plain_rate(self) -> float:
+        """Plain decoding's forecast: one token per step of the cost book."""
+        if self.plain is None:
+            return 0.0
+        return 1.0 / self.costs.seconds(self.plain, 0)
+
+    def forecast(self, name: str) -> float:
+        """tok/s `name` is expected to run at from the next round on, on this prompt."""
+        if name == self.plain:
+            return self.plain_rate()
+        est = self._est.get(name)
+        if name in self.shadowed or name == self.running:
+            if est is not None and est.rounds:
+                return est.rate
+            return self._prior_of(name)
+        prior = self._scaled_prior(name)
+        if est is None or not est.rounds:
+            return prior
+        # A left drafter's measurement relaxes towards its (scaled) prior.
+        weight = 0.5 ** ((self._round - est.at) / self._relax[name])
+        return weight * est.rate + (1 - weight) * prior
+
+    def measured(self) -> dict[str, float]:
+        """tok/s of every candidate measured on this prompt (run or replayed): what the next request's
+        priors learn from."""
+        out = {n: e.rate for n, e in self._est.items() if e.rounds and e.seconds > 0}
+        if self.plain is not None and self.rounds.get(self.plain, 0):
+            out[self.plain] = self.plain_rate()
+        return out
+
+    def acceptance(self) -> dict[str, tuple[float, float]]:
+        """(tokens, drafts) per round of every drafting candidate measured on this prompt (run or replayed)."""
+        return {n: (e.tokens, e.drafted) for n, e in self._est.items() if e.rounds}
+
+    def best(self) -> str:
+        """The candidate with the best forecast now (plain decoding wins ties: it needs no drafter)."""
+        return max(self.names, key=lambda n: (self.forecast(n), n == self.plain))
+
+    # ---- the rule
+
+    def record(self, name: str, tokens: int, seconds: float, drafted: int = 0) -> None:
+        """One round of `name` committed `tokens` (a stop token included) in `seconds` after `drafted` drafts."""
+        self._round += 1
+        self.rounds[name] = self.rounds.get(name, 0) + 1
+        if name != self.running:  # the caller ran another candidate: follow it
+            self._begin(name)
+        self._stint += 1
+        if self._stint == 1 or not seconds > 0:
+            return  # the first round of a stint pays the switch: not this source's steady cost
+        self.costs.observe(name, drafted, seconds)
+        if name != self.plain:
+            self._est.setdefault(name, _Estimate()).add(tokens, seconds, drafted, self.config.alpha, self._round)
+        self._measured_in_stint += 1
+
+    def shadow(self, name: str, tokens: int, drafted: int) -> None:
+        """A replayed round of a shadowed candidate: its tokens, at the cost book's seconds."""
+        if name not in self.shadowed or name == self.running:
+            return
+        seconds = self.costs.seconds(name, drafted)
+        self._est.setdefault(name, _Estimate()).add(tokens, seconds, drafted, self.config.alpha, self._round)
+
+    def decide(self, *, paused: bool = False) -> Switch | None:
+        """After `record` (and this round's `shadow`s): what runs from the next round (None = the same).
+
+        Args:
+            paused: the running source's cap policy has just paused it (the calibrated cost model says
+                it cannot beat plain decoding at the acceptance it sees): the request leaves it at once.
+        """
+        running = self.running
+        if paused and running != self.plain:
+            nxt = max((n for n in self.names if n != running), key=lambda n: (self.forecast(n), n == self.plain))
+            return self._switch(nxt, f"{running} paused by its cap policy: speculation cannot win here")
+        if self._measured_in_stint < self.config.settle:
+            return None
+        best = self.best()
+        here = self.forecast(running)
+        if best != running and self.forecast(best) > here * (1 + self.config.margin):
+            if running != self.plain and running not in self.shadowed:
+                # It lost on this prompt: its measurement stays, relaxing back more slowly each time.
+                self._relax[running] = min(self._relax[running] * 2, 64 * self.config.relax)
+            return self._switch(best, f"forecast {self._says(best)} vs {self._says(running)}")
+        unseen = [
+            n
+            for n in self.names
+            if n not in (running, self.plain)
+            and n not in self.shadowed
+            and n not in self._est
+            and self.forecast(n) >= here * (1 - self.config.look)
+        ]
+        if unseen:
+            pick = max(unseen, key=self.forecast)
+            return self._switch(pick, f"first look at {self._says(pick)} ({self._says(running)} runs)")
+        return None
+
+    # ---- internals
+
+    def _prior_of(self, name: str) -> float:
+        return self._prior.get(name, 0.0) or self.plain_rate()
+
+    def _scaled_prior(self, name: str) -> float:
+        """A drafter's prior, scaled by how many tokens a round the running drafter commits here against
+        what it committed on earlier prompts (acceptance, not speed: the two drafters' costs differ)."""
+        prior = self._prior_of(name)
+        run = self.running
+        est = self._est.get(run)
+        if run in (name, self.plain) or run in self.shadowed or est is None or not est.rounds:
+            return prior
+        own = self._accept.get(run, 0.0)
+        return prior * (est.tokens / own) if own > 0 and self._accept.get(name, 0.0) > 0 else prior
+
+    def _says(self, name: str) -> str:
+        kind = "" if name == self.plain else " replayed" if name in self.shadowed else ""
+        return f"{name} {self.forecast(name):.1f} tok/s{kind}"
+
+    def _begin(self, name: str) -> None:
+        self.running = name
+        self._stint = 0
+        self._measured_in_stint = 0
+
+    def _switch(self, name: str, reason: str) -> Switch:
+        old = self.running
+        self._begin(name)
+        self.switches += 1
+        return Switch(old=old, new=name, reason=reason)
