@@ -305,7 +305,11 @@ class AutoSelector:
             return self._selection(start, policy, switched, None, lane)
         sources = lane.sources if lane is not None else self.sources()
         # Sources whose rounds can be replayed on the committed tokens (lookup) are forecast, never run to learn.
-        shadows = {n: src.shadow() for n, src in sources.items() if callable(getattr(src, "shadow", None))}
+        shadows: dict[str, ShadowLookup] = {}
+        for n, src in sources.items():
+            replay = getattr(src, "shadow", None)
+            if callable(replay):
+                shadows[n] = replay()
         arbiter = ForecastArbiter(
             list(self._candidates),
             start=start,

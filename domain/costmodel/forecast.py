@@ -189,7 +189,7 @@ class ForecastArbiter:
         if est is None or not est.rounds:
             return prior
         # A left drafter's measurement relaxes towards its (scaled) prior.
-        weight = 0.5 ** ((self._round - est.at) / self._relax[name])
+        weight: float = 0.5 ** ((self._round - est.at) / self._relax[name])
         return weight * est.rate + (1 - weight) * prior
 
     def measured(self) -> dict[str, float]:
