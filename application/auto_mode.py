@@ -139,9 +139,10 @@ class AutoSelector:
     running from its prior scaled by how the running drafter does against its own. The request runs the
     best forecast, moving when another's beats the running source's estimate by the margin; the running
     source's cap policy (a MeasuredCap on the calibrated curves) may move it too. Between requests the
-    selector keeps each candidate's measured rate and tokens per round (EWMAs seeded with the race: the
-    next request's priors); the next request starts on the candidate that did best on the last one. Cap
-    policies are fresh per request, as in fixed modes.
+    selector keeps each candidate's measured rate and tokens per round (EWMAs seeded with the race); the
+    next request's priors are those tokens per round at the cost book's seconds, and it starts on the best
+    of them (one prompt's winner says little of the next). Cap policies are fresh per request, as in fixed
+    modes.
 
     Seeded sampling must repeat token for token, and the uniforms a round draws depend on which source
     runs it, so a seeded request decides on modelled costs instead of wall time: a cost book that only
