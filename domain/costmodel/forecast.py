@@ -13,9 +13,11 @@ and runs the best forecast; a rate is tokens per round ÷ seconds per round, spl
   from its prior (what earlier requests or the race measured), scaled by how the running drafter does
   against its own prior: prompts easy for one drafter are easy for the other. A drafter never measured
   on this prompt whose forecast comes near the running source's gets one first look (a prior averages
-  other prompts; on code or math a drafter does far better than on chat). A drafter measured here and
-  then left keeps that measurement, which relaxes towards the prior (half-life `relax` rounds, doubled
-  each time it loses again), so a request whose text changes character gets it back.
+  other prompts; on code or math a drafter does far better than on chat), and so do plain decoding and
+  lookup until their rounds were timed once in the process (the calibration may miss a pipelined step).
+  A drafter measured here and then left keeps that measurement, which relaxes towards the prior
+  (half-life `relax` rounds, doubled each time it loses again), so a request whose text changes
+  character gets it back.
 
 A switch needs a forecast `margin` ahead of the running source's estimate (a switch has a cost, and a
 forecast an error), after `settle` measured rounds of the running stint; the first round of a stint is
@@ -254,10 +256,7 @@ class ForecastArbiter:
         unseen = [
             n
             for n in self.names
-            if n not in (running, self.plain)
-            and n not in self.shadowed
-            and n not in self._est
-            and self.forecast(n) >= here * (1 - self.config.look)
+            if n != running and self._unseen(n) and self.forecast(n) >= here * (1 - self.config.look)
         ]
         if unseen:
             pick = max(unseen, key=self.forecast)
@@ -265,6 +264,14 @@ class ForecastArbiter:
         return None
 
     # ---- internals
+
+    def _unseen(self, name: str) -> bool:
+        """Whether `name`'s rate is a guess: a drafter not run on this prompt, or plain decoding or a replayed
+        source whose round was never timed in this process (their seconds are then the calibration's, which
+        on a GPU can miss what a pipelined step really takes)."""
+        if name == self.plain or name in self.shadowed:
+            return not self.costs.knows(name) and not self.rounds.get(name, 0)
+        return name not in self._est
 
     def _prior_of(self, name: str) -> float:
         return self._prior.get(name, 0.0) or self.plain_rate()

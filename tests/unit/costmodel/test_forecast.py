@@ -27,8 +27,12 @@ World = Mapping[str, tuple[float, float, int]]
 
 
 def book(seconds: Mapping[str, float]) -> CostBook:
-    """A cost book whose seeds are exact: `seconds[name]` per round whatever the drafts."""
-    return CostBook(lambda name, drafted: seconds[name])
+    """A cost book whose seeds are exact (`seconds[name]` per round whatever the drafts), every round timed once
+    already in the process (as after the first requests)."""
+    costs = CostBook(lambda name, drafted: seconds[name])
+    for name, s in seconds.items():
+        costs.observe(name, 0, s)
+    return costs
 
 
 def simulate(
@@ -174,6 +178,19 @@ def test_replayed_lookup_is_taken_without_a_probe_and_a_poor_one_never_runs() ->
     poor = ForecastArbiter(names, start="d", plain=PLAIN, shadowed={"lookup"}, priors={"d": 20.0}, costs=book(costs))
     ran, _ = simulate(poor, world, 200, shadow={"lookup": (1.1, 0.06, 1)})
     assert "lookup" not in ran and "lookup" in poor.measured()
+
+
+def test_plain_decoding_gets_one_look_until_its_step_was_timed_in_the_process() -> None:
+    # The calibration priced a plain step at 80 ms; pipelined, it takes 50 (a GPU's host work hidden).
+    costs = CostBook(lambda name, drafted: {"d": 0.1, PLAIN: 0.08}[name])
+    world = {"d": (1.6, 0.1, 6), PLAIN: (1, 0.05, 0)}  # d 16 tok/s, plain 20
+    arb = ForecastArbiter(["d", PLAIN], start="d", plain=PLAIN, priors={"d": 16.0}, costs=costs)
+    ran, switches = simulate(arb, world, 100)
+    assert "first look" in switches[0].reason and switches[0].new == PLAIN
+    assert costs.knows(PLAIN) and ran.count(PLAIN) >= 90  # timed once, it is known to win
+    again = ForecastArbiter(["d", PLAIN], start="d", plain=PLAIN, priors={"d": 16.0}, costs=costs)
+    ran, switches = simulate(again, world, 40)
+    assert "first look" not in switches[0].reason  # the next request knows plain's step
 
 
 def test_an_unmeasured_drafter_gets_one_first_look_when_its_prior_is_close() -> None:
