@@ -139,8 +139,8 @@ def test_online_switch_follows_observed_throughput() -> None:
         result = service.generate(GenerationRequest(prompt=prompt, max_tokens=24))
         assert list(result.token_ids) == plain
         sources.append(result.source)
-    # The first request moved to "b" within itself; the next ones start there (one more look at "a",
-    # whose race number is still high, then "a" waits its backoff: a short re-probe now and then).
+    # The first request moved to "b" within itself; the next ones start there: "a"'s slow rounds are in the
+    # cost book, so its prior (tokens per round at those seconds) stays below "b"'s.
     assert switching.current == "b" and sources[0] == "b" and sources[2:4] == ["b", "b"]
     assert sources.count("b") >= 4
     switches = [e for _, e in sink.events if isinstance(e, SourceSwitched)]
