@@ -22,7 +22,7 @@ from mlx_dspark.application.engine import decode
 from mlx_dspark.application.ports import CalibrationStore, LoadedModel
 from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves
-from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, MeasuredCap
+from mlx_dspark.domain.costmodel.draft_cap import CapDecision, CapPolicy, FixedCap, MeasuredCap, repeatable
 from mlx_dspark.domain.costmodel.forecast import CostBook, ForecastArbiter, ForecastConfig
 from mlx_dspark.domain.drafting.lookup import ShadowLookup
 from mlx_dspark.domain.drafting.selection import FixedSelector, Selection, SourceSelector, SourceSwitcher
@@ -179,7 +179,6 @@ class AutoSelector:
         self._in_request = in_request
         self.costs = CostBook(self._seed_seconds)
         self._winner = self._best_by(lambda c: c.race)
-        self.current = self._winner
         self._last = self.current  # the source the last request ended on
 
     @property
@@ -194,6 +193,12 @@ class AutoSelector:
     def rates(self) -> dict[str, float]:
         """Current throughput estimates per candidate."""
         return {name: c.rate for name, c in self._candidates.items()}
+
+    @property
+    def current(self) -> str:
+        """The candidate the next (unseeded) request starts on: the best prior (plain decoding wins ties)."""
+        priors = self.priors()
+        return max(priors, key=lambda n: (priors[n], self._candidates[n].source is None))
 
     def priors(self) -> dict[str, float]:
         """What the next request expects of each candidate, tok/s: tokens per round over earlier requests
@@ -280,7 +285,7 @@ class AutoSelector:
 
     def select_with(self, prompt: Sequence[int], sampling: SamplingParams | None, lane: _Lane | None) -> Selection:
         """`select` for one batched request (`lane`: its own sources, policy wrapper and hold; None: `select`)."""
-        seeded = sampling is not None and not sampling.greedy and sampling.seed is not None
+        seeded = sampling is not None and sampling.seeded
         if seeded:
             start = self._winner
             priors = {n: c.race for n, c in self._candidates.items()}
@@ -288,7 +293,7 @@ class AutoSelector:
             costs = CostBook(self._seed_seconds, frozen=True)
         else:
             priors = self.priors()
-            start = max(priors, key=lambda n: (priors[n], self._candidates[n].source is None))
+            start = self.current
             accept = {n: c.accept for n, c in self._candidates.items()}
             costs = self.costs
         switched = None
@@ -321,7 +326,7 @@ class AutoSelector:
             costs=costs,
             config=self._config,
         )
-        switcher = _RequestSwitcher(self, arbiter, shadows, seeded=seeded, lane=lane)
+        switcher = _RequestSwitcher(self, arbiter, shadows, sampling=sampling, lane=lane)
         return switcher.selection(start, switched)
 
     def finished(self, selection: Selection, usage: Usage) -> None:
@@ -337,14 +342,12 @@ class _AutoCap:
 
     It drafts at least `floor` whenever its source runs (a paused MeasuredCap would otherwise run plain
     rounds under the source's name, without plain decoding's pipelining: in auto a pause moves the
-    request instead), tells the switcher when the policy has just decided to pause, and in a seeded
-    request feeds the policy modelled round seconds so its decisions repeat.
+    request instead) and tells the switcher when the policy has just decided to pause.
     """
 
-    def __init__(self, inner: CapPolicy, floor: int, seconds: Callable[[int], float] | None) -> None:
+    def __init__(self, inner: CapPolicy, floor: int) -> None:
         self.inner = inner
         self._floor = floor
-        self._seconds = seconds
         self.paused = False
 
     def cap(self, depth: int) -> int:
@@ -354,8 +357,6 @@ class _AutoCap:
         return cap if cap > 0 else self._floor
 
     def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
-        if self._seconds is not None:
-            seconds = self._seconds(drafted)
         decision = self.inner.observe(drafted, accepted, seconds, depth)
         self.paused = decision is not None and decision.new == 0
         return decision
@@ -371,13 +372,14 @@ class _RequestSwitcher:
         arbiter: ForecastArbiter,
         shadows: Mapping[str, ShadowLookup],
         *,
-        seeded: bool,
+        sampling: SamplingParams | None,
         lane: _Lane | None = None,
     ) -> None:
         self._owner = owner
         self.arbiter = arbiter
         self._shadows = dict(shadows)
-        self._seeded = seeded
+        self._sampling = sampling
+        self._seeded = sampling is not None and sampling.seeded
         self._lane = lane
         self._closed = False
         self._caps: dict[str, _AutoCap] = {}
@@ -390,9 +392,8 @@ class _RequestSwitcher:
             inner = self._owner._factories[name]()  # fresh per request, as fixed modes get
             if self._lane is not None and self._lane.policy is not None and not self._seeded:
                 inner = self._lane.policy(inner)
-            book = self.arbiter.costs
-            model = (lambda drafted: book.seconds(name, drafted)) if self._seeded else None
-            self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block), model)
+            inner = repeatable(inner, self._sampling)  # a seeded request's policy learns modelled seconds
+            self._caps[name] = _AutoCap(inner, min(PROBE_CAP, cand.source.max_block))
         return self._caps[name]
 
     def selection(self, name: str, switched: SourceSwitched | None) -> Selection:
@@ -443,9 +444,6 @@ class _RequestSwitcher:
             fresh = cand.accept <= 0
             cand.accept = tokens if fresh else cand.accept + owner._alpha * (tokens - cand.accept)
             cand.drafted = drafted if fresh else cand.drafted + owner._alpha * (drafted - cand.drafted)
-        # The next request starts on the best estimate over requests: one prompt's winner says little of the next.
-        priors = owner.priors()
-        owner.current = max(priors, key=lambda n: (priors[n], owner._candidates[n].source is None))
 
 
 @attrs.frozen

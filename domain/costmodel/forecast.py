@@ -168,7 +168,6 @@ class ForecastArbiter:
         self._measured_in_stint = 0
         self._round = 0
         self.rounds: dict[str, int] = dict.fromkeys(self.names, 0)
-        self.switches = 0
 
     # ---- reading
 
@@ -206,9 +205,10 @@ class ForecastArbiter:
         """(tokens, drafts) per round of every drafting candidate measured on this prompt (run or replayed)."""
         return {n: (e.tokens, e.drafted) for n, e in self._est.items() if e.rounds}
 
-    def best(self) -> str:
-        """The candidate with the best forecast now (plain decoding wins ties: it needs no drafter)."""
-        return max(self.names, key=lambda n: (self.forecast(n), n == self.plain))
+    def best(self, exclude: str | None = None) -> str:
+        """The candidate with the best forecast now, `exclude` aside (plain decoding wins ties: it needs no
+        drafter)."""
+        return max((n for n in self.names if n != exclude), key=lambda n: (self.forecast(n), n == self.plain))
 
     # ---- the rule
 
@@ -242,8 +242,8 @@ class ForecastArbiter:
         """
         running = self.running
         if paused and running != self.plain:
-            nxt = max((n for n in self.names if n != running), key=lambda n: (self.forecast(n), n == self.plain))
-            return self._switch(nxt, f"{running} paused by its cap policy: speculation cannot win here")
+            reason = f"{running} paused by its cap policy: speculation cannot win here"
+            return self._switch(self.best(exclude=running), reason)
         if self._measured_in_stint < self.config.settle:
             return None
         best = self.best()
@@ -288,7 +288,7 @@ class ForecastArbiter:
         return prior * (est.tokens / own) if own > 0 and self._accept.get(name, 0.0) > 0 else prior
 
     def _says(self, name: str) -> str:
-        kind = "" if name == self.plain else " replayed" if name in self.shadowed else ""
+        kind = " replayed" if name in self.shadowed else ""
         return f"{name} {self.forecast(name):.1f} tok/s{kind}"
 
     def _begin(self, name: str) -> None:
@@ -299,5 +299,4 @@ class ForecastArbiter:
     def _switch(self, name: str, reason: str) -> Switch:
         old = self.running
         self._begin(name)
-        self.switches += 1
         return Switch(old=old, new=name, reason=reason)
