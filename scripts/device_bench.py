@@ -490,12 +490,32 @@ class _NullTelemetry:
     def __init__(self) -> None:
         self.switches: list[str] = []
         self.rounds: list[Any] = []
+        self.ends: list[float] = []  # when each round's event arrived (the decode loop's clock)
 
     def emit(self, request_id: str, event: Any) -> None:
         if type(event).__name__ == "SourceSwitched":
-            self.switches.append(f"{event.old}->{event.new}: {event.reason}")
+            self.switches.append(f"{len(self.rounds)}: {event.old}->{event.new}: {event.reason}")
         elif isinstance(event, RoundFinished):
             self.rounds.append(event)
+            self.ends.append(now())
+
+    def trace(self) -> list[list[Any]]:
+        """Per round: [source, drafted, committed, wall ms since the previous round's end (the first: since its
+        own verify began), draft ms, verify ms]: where a stint's rounds cost what a fixed mode's do not."""
+        out: list[list[Any]] = []
+        for i, (r, end) in enumerate(zip(self.rounds, self.ends, strict=True)):
+            wall = end - self.ends[i - 1] if i else r.draft_s + r.verify_s
+            out.append(
+                [
+                    r.source,  # "none": the round drafted nothing (plain decoding, or lookup without a match)
+                    r.drafted,
+                    r.committed,
+                    round(wall * 1e3, 2),
+                    round(r.draft_s * 1e3, 2),
+                    round(r.verify_s * 1e3, 2),
+                ]
+            )
+        return out
 
 
 def divergence_report(
@@ -625,6 +645,22 @@ def _run_record(mode: str, p: dict[str, Any], r: GenerationResult, trial: int = 
     )
 
 
+def stints(trace: Sequence[Sequence[Any]]) -> str:
+    """A trace's runs of one source: `source rounds×(tokens/ms: first round's ms, then the rest's tok/s)`."""
+    parts: list[str] = []
+    i = 0
+    while i < len(trace):
+        j = i
+        while j < len(trace) and trace[j][0] == trace[i][0]:
+            j += 1
+        rest = trace[i + 1 : j]
+        ms = sum(t[3] for t in rest)
+        rate = f"{1e3 * sum(t[2] for t in rest) / ms:.0f} tok/s" if ms > 0 else "-"
+        parts.append(f"{trace[i][0]} {j - i}r first {trace[i][3]:.1f}ms/{trace[i][2]}t then {rate}")
+        i = j
+    return " | ".join(parts)
+
+
 def _brief(p: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
     return {
         "prompt_id": p["id"],
@@ -709,7 +745,7 @@ def run_real(
     runs: list[BenchRun] = []
 
     def brief(p: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
-        return {**_brief(p, r), "switches": list(telemetry.switches)}
+        return {**_brief(p, r), "switches": list(telemetry.switches), "trace": telemetry.trace()}
 
     rounds_of: dict[tuple[str, Any], list[Any]] = {}  # (mode, prompt id) -> the seen-once run's rounds
 
@@ -717,6 +753,7 @@ def run_real(
         target.reset(0)
         telemetry.switches.clear()
         telemetry.rounds = []
+        telemetry.ends = []
         return service.generate(
             GenerationRequest(prompt=list(p["ids"]), max_tokens=max_tokens, sampling=greedy, prefix_cache=False)
         )
@@ -841,6 +878,7 @@ def run_real(
             if mode == "auto":
                 for x in entry["new_to_mode"] + entry["seen_once"]:
                     log(f"auto {x['prompt_id']}: rounds {x['source_rounds']}; " + " | ".join(x["switches"]))
+                    log(f"auto {x['prompt_id']} stints: {stints(x['trace'])}")
             p = seen_set[0]
             if not smoke and not budget.spent():
                 r = request(service, p)

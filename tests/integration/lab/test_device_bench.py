@@ -253,6 +253,11 @@ def test_real_bench_runs_every_mode_through_the_generation_service(
         assert "error" not in m, m.get("traceback")
         assert len(m["new_to_mode"]) == len(m["seen_once"]) == 2
         assert all(m["identical_to_plain"].values())
+        for run in m["seen_once"]:  # one trace row per round: its source, and its commits add up
+            trace = run["trace"]
+            assert sum(t[2] for t in trace) == run["generated_tokens"] - 1
+            assert all(t[3] > 0 for t in trace) and sum(run["source_rounds"].values()) == len(trace)
+            assert {t[0] for t in trace} - {"none"} <= set(run["source_rounds"])  # none: nothing drafted
         for name in ("marked", "profiled"):
             b = m[name]["breakdown"]
             assert b["rounds"] >= 1 and b["readback_s"] >= 0
