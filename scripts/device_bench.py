@@ -806,7 +806,8 @@ def run_real(
             "row_products": _row_products(),
             "protocol": (
                 "per mode: first = one request at a prompt length no request of this process had; then the "
-                f"{len(seen_set)} held-out prompts twice (seen_once = the second pass; bench `runs`); warm = the "
+                f"{len(seen_set)} held-out prompts twice (seen_once = the second pass, run prompt by prompt with "
+                "every mode back to back; bench `runs`); warm = the "
                 "first of them three more times: warm (plain timing), marked (each round timed: async_eval "
                 "marks only), profiled (the device is waited for after each propose: drafter device time "
                 "apart; perturbs the round). Every request starts from an empty cache, no prefix reuse."
@@ -818,86 +819,107 @@ def run_real(
         return doc
 
     env = environment()
-    for mode in order:
-        if budget.spent():
-            break
-        entry: dict[str, Any] = {"mode": mode}
-        per_mode[mode] = entry
-        try:
-            t0 = now()
-            if mode == "auto":
-                candidates = {PLAIN: None, **sources}
-                plan = CalibrationPlan(depth=16, deep_depth=48, warmup=0, repeats=1, overhead_tokens=2, dense_widths=4)
-                choice = measure_and_choose(
-                    _MemoryCalibrations(),
-                    model,
-                    candidates,
-                    clock,
-                    drafter_bits=drafter_bits,
-                    max_draft=max_draft,
-                    race_tokens=4 if smoke else 24,
-                    race_prompts=[p["ids"] for p in race] or None,
-                    plan=plan if smoke else None,
-                )
-                service = GenerationService(model, selector=choice.selector, clock=clock, telemetry=telemetry)
-                entry["race_tok_s"] = dict(choice.rates)
-                entry["race_winner"] = choice.mode
-                log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
-            elif mode == PLAIN_CAPTURE:
-                service = GenerationService(model, selector=_StaySelector(), clock=clock, telemetry=telemetry)
-            else:
-                src = sources.get(mode)
-                factory = None if src is None else cap_policy_factory(max_draft, None, src.max_block)
-                if src is not None and max_draft is None:
-                    from mlx_dspark.application.auto_mode import measured_cap_factory
+    services: dict[str, GenerationService] = {}
 
-                    factory = measured_cap_factory(_MemoryCalibrations(), clock, model, mode, src)
-                service = GenerationService(
-                    model, source=src, mode=mode, clock=clock, telemetry=telemetry, cap_policy_factory=factory
-                )
-            entry["setup_s"] = now() - t0
-            if warmup:
-                done = warm_up(service)
-                entry["warmup"] = {"seconds": done.seconds, "requests": done.requests}
-                log(f"{mode}: warm-up of {done.requests} requests in {done.seconds:.1f}s")
-            p = first_prompt(rest + seen_set, target.prompt_lengths)
-            r = request(service, p)
-            entry["first_request"] = brief(p, r)
-            log(f"{mode}: first request {r.tokens_per_second:.1f} tok/s at {r.prompt_tokens} tokens")
-            entry["new_to_mode"], entry["seen_once"] = [], []
-            for key in ("seen_once",) if smoke else ("new_to_mode", "seen_once"):
-                for p in seen_set:
-                    if budget.spent():
-                        break
-                    r = request(service, p)
-                    entry[key].append(brief(p, r))
-                    if key == "seen_once":
-                        runs.append(_run_record(mode, p, r))
-                        rounds_of[(mode, p["id"])] = telemetry.rounds
-            log(f"{mode}: seen once {[round(x['decode_tok_s'], 1) for x in entry['seen_once']]} tok/s")
-            if mode == "auto":
-                for x in entry["new_to_mode"] + entry["seen_once"]:
-                    log(f"auto {x['prompt_id']}: rounds {x['source_rounds']}; " + " | ".join(x["switches"]))
-                    log(f"auto {x['prompt_id']} stints: {stints(x['trace'])}")
-            p = seen_set[0]
-            if not smoke and not budget.spent():
-                r = request(service, p)
-                entry["warm"] = brief(p, r)
-            for name, barrier in (("marked", False), ("profiled", True)):
-                if budget.spent():
-                    break
-                with calls.recording(barrier=barrier):
-                    r = request(service, p)
-                entry[name] = {**brief(p, r), "breakdown": breakdown(calls.rounds())}
-            if "warm" in entry:
-                per_round = entry.get("marked", {}).get("breakdown")
-                log(f"{mode}: warm {entry['warm']['decode_tok_s']:.1f} tok/s; per round {per_round}")
+    def guarded(mode: str, entry: dict[str, Any], body: Callable[[], None]) -> None:
+        try:
+            body()
         except Exception as exc:  # keep going: one failing mode must not cost the slot
             entry["error"] = repr(exc)
             entry["traceback"] = traceback.format_exc()[-3000:]
+            services.pop(mode, None)
             log(f"{mode}: FAILED {exc!r}")
         if on_progress is not None:
             on_progress(document())
+
+    def set_up(mode: str, entry: dict[str, Any]) -> None:
+        t0 = now()
+        if mode == "auto":
+            candidates = {PLAIN: None, **sources}
+            plan = CalibrationPlan(depth=16, deep_depth=48, warmup=0, repeats=1, overhead_tokens=2, dense_widths=4)
+            choice = measure_and_choose(
+                _MemoryCalibrations(),
+                model,
+                candidates,
+                clock,
+                drafter_bits=drafter_bits,
+                max_draft=max_draft,
+                race_tokens=4 if smoke else 24,
+                race_prompts=[p["ids"] for p in race] or None,
+                plan=plan if smoke else None,
+            )
+            service = GenerationService(model, selector=choice.selector, clock=clock, telemetry=telemetry)
+            entry["race_tok_s"] = dict(choice.rates)
+            entry["race_winner"] = choice.mode
+            log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
+        elif mode == PLAIN_CAPTURE:
+            service = GenerationService(model, selector=_StaySelector(), clock=clock, telemetry=telemetry)
+        else:
+            src = sources.get(mode)
+            factory = None if src is None else cap_policy_factory(max_draft, None, src.max_block)
+            if src is not None and max_draft is None:
+                from mlx_dspark.application.auto_mode import measured_cap_factory
+
+                factory = measured_cap_factory(_MemoryCalibrations(), clock, model, mode, src)
+            service = GenerationService(
+                model, source=src, mode=mode, clock=clock, telemetry=telemetry, cap_policy_factory=factory
+            )
+        entry["setup_s"] = now() - t0
+        if warmup:
+            done = warm_up(service)
+            entry["warmup"] = {"seconds": done.seconds, "requests": done.requests}
+            log(f"{mode}: warm-up of {done.requests} requests in {done.seconds:.1f}s")
+        p = first_prompt(rest + seen_set, target.prompt_lengths)
+        r = request(service, p)
+        entry["first_request"] = brief(p, r)
+        log(f"{mode}: first request {r.tokens_per_second:.1f} tok/s at {r.prompt_tokens} tokens")
+        entry["new_to_mode"], entry["seen_once"] = [], []
+        for p in () if smoke else seen_set:
+            if budget.spent():
+                break
+            entry["new_to_mode"].append(brief(p, request(service, p)))
+        services[mode] = service
+
+    def seen_once(mode: str, entry: dict[str, Any], p: dict[str, Any]) -> None:
+        r = request(services[mode], p)
+        entry["seen_once"].append(brief(p, r))
+        runs.append(_run_record(mode, p, r))
+        rounds_of[(mode, p["id"])] = telemetry.rounds
+
+    def warm(mode: str, entry: dict[str, Any]) -> None:
+        service = services[mode]
+        log(f"{mode}: seen once {[round(x['decode_tok_s'], 1) for x in entry['seen_once']]} tok/s")
+        if mode == "auto":
+            for x in entry["new_to_mode"] + entry["seen_once"]:
+                log(f"auto {x['prompt_id']}: rounds {x['source_rounds']}; " + " | ".join(x["switches"]))
+                log(f"auto {x['prompt_id']} stints: {stints(x['trace'])}")
+        p = seen_set[0]
+        if not smoke and not budget.spent():
+            entry["warm"] = brief(p, request(service, p))
+        for name, barrier in (("marked", False), ("profiled", True)):
+            if budget.spent():
+                break
+            with calls.recording(barrier=barrier):
+                r = request(service, p)
+            entry[name] = {**brief(p, r), "breakdown": breakdown(calls.rounds())}
+        if "warm" in entry:
+            per_round = entry.get("marked", {}).get("breakdown")
+            log(f"{mode}: warm {entry['warm']['decode_tok_s']:.1f} tok/s; per round {per_round}")
+
+    # Set-up, warm-up, first request and the first pass per mode; then the seen-once pass prompt by prompt,
+    # every mode back to back (a shared host's drift then moves all modes alike); then the warm runs per mode.
+    for mode in order:
+        if budget.spent():
+            break
+        per_mode[mode] = {"mode": mode}
+        guarded(mode, per_mode[mode], lambda mode=mode: set_up(mode, per_mode[mode]))  # type: ignore[misc]
+    for p in seen_set:
+        for mode in [m for m in order if m in services]:
+            if budget.spent():
+                break
+            guarded(mode, per_mode[mode], lambda mode=mode, p=p: seen_once(mode, per_mode[mode], p))  # type: ignore[misc]
+    for mode in [m for m in order if m in services]:
+        guarded(mode, per_mode[mode], lambda mode=mode: warm(mode, per_mode[mode]))  # type: ignore[misc]
     doc = document()
     free_memory()
     return doc
