@@ -5,8 +5,9 @@ losers for a few rounds each costs more than the best of them gains (auto ran at
 fixed mode that way, on the CPU and the H200 alike). So auto forecasts what each candidate would do here
 and runs the best forecast; a rate is tokens per round ÷ seconds per round, split into its two factors:
 
-- *seconds per round* hardly depend on the prompt: the `CostBook` learns them per (source, drafts) from
-  every round any request ran, starting from the calibrated curves;
+- *seconds per round* hardly depend on the prompt: the `CostBook` learns them per (source, drafts) as the
+  median of the recent rounds any request ran, starting from the calibrated curves, and every forecast (the
+  running source's too) takes its seconds from the book, so one stalled round misleads none;
 - *tokens per round* do, and are measured where that is free: plain decoding commits one; n-gram lookup's
   rounds are replayed on the tokens actually committed (`drafting.lookup.ShadowLookup`: exact for greedy
   output, host work only); the running source's are its own rounds. A drafter not running is forecast
@@ -26,6 +27,8 @@ not measured (it pays the switch). Pure bookkeeping over numbers: no clock, no I
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
@@ -59,39 +62,45 @@ class ForecastConfig:
 class CostBook:
     """Seconds per round of each source by its number of drafts, learned from measured rounds.
 
-    An unmeasured (source, drafts) costs its seed (the calibrated curves' round seconds) times what this
-    source's measured rounds ran against their seeds, so one slow round teaches every width of that source.
-    `frozen` books never learn (a seeded request's schedule must not follow the wall clock).
+    A width measured `known` times costs the median of its last `window` rounds; any other costs its seed
+    (the calibrated curves' round seconds) times the median ratio of this source's recent rounds to their
+    seeds, so a few rounds teach every width of that source. Medians, not averages: on a shared host one
+    stalled round (a GPU host measured a whole 128-token request taking 20 s once) must not make a source
+    look slow to every later request. `frozen` books never learn (a seeded request's schedule must not follow
+    the wall clock).
     """
 
-    def __init__(self, seed: Callable[[str, int], float], *, alpha: float = 0.2, frozen: bool = False) -> None:
+    def __init__(
+        self, seed: Callable[[str, int], float], *, window: int = 15, known: int = 3, frozen: bool = False
+    ) -> None:
+        if window < 1 or known < 1:
+            raise ValueError("need window >= 1 and known >= 1")
         self._seed = seed
-        self._alpha = alpha
+        self._window = window
+        self._known = known
         self._frozen = frozen
-        self._learned: dict[tuple[str, int], float] = {}
-        self._ratio: dict[str, float] = {}
+        self._rounds: dict[tuple[str, int], deque[float]] = {}
+        self._ratios: dict[str, deque[float]] = {}
 
     def seconds(self, name: str, drafted: int) -> float:
         """The forecast seconds of one round of `name` drafting `drafted` tokens."""
-        learned = self._learned.get((name, drafted))
-        if learned is not None:
-            return learned
-        return max(self._seed(name, drafted), 1e-9) * self._ratio.get(name, 1.0)
+        rounds = self._rounds.get((name, drafted))
+        if rounds is not None and len(rounds) >= self._known:
+            return statistics.median(rounds)
+        ratios = self._ratios.get(name)
+        return max(self._seed(name, drafted), 1e-9) * (statistics.median(ratios) if ratios else 1.0)
 
     def knows(self, name: str) -> bool:
         """Whether a round of `name` was measured."""
-        return name in self._ratio
+        return name in self._ratios
 
     def observe(self, name: str, drafted: int, seconds: float) -> None:
         """One measured round."""
         if self._frozen or not seconds > 0:
             return
-        key = (name, drafted)
-        old = self._learned.get(key)
-        self._learned[key] = seconds if old is None else old + self._alpha * (seconds - old)
+        self._rounds.setdefault((name, drafted), deque(maxlen=self._window)).append(seconds)
         ratio = seconds / max(self._seed(name, drafted), 1e-9)
-        prev = self._ratio.get(name)
-        self._ratio[name] = ratio if prev is None else prev + self._alpha * (ratio - prev)
+        self._ratios.setdefault(name, deque(maxlen=self._window)).append(ratio)
 
 
 @attrs.frozen(kw_only=True)
@@ -223,7 +232,9 @@ class ForecastArbiter:
             return  # the first round of a stint pays the switch: not this source's steady cost
         self.costs.observe(name, drafted, seconds)
         if name != self.plain:
-            self._est.setdefault(name, _Estimate()).add(tokens, seconds, drafted, self.config.alpha, self._round)
+            # Its seconds are the book's (robust, and the modelled ones for a frozen book), not this round's.
+            cost = self.costs.seconds(name, drafted)
+            self._est.setdefault(name, _Estimate()).add(tokens, cost, drafted, self.config.alpha, self._round)
         self._measured_in_stint += 1
 
     def shadow(self, name: str, tokens: int, drafted: int) -> None:

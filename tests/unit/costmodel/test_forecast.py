@@ -71,15 +71,37 @@ def simulate(
 
 
 def test_the_cost_book_starts_at_its_seed_and_learns_each_width() -> None:
-    costs = CostBook(lambda name, drafted: 0.05 + 0.01 * drafted, alpha=0.5)
+    costs = CostBook(lambda name, drafted: 0.05 + 0.01 * drafted, known=2)
     assert costs.seconds("d", 3) == pytest.approx(0.08) and not costs.knows("d")
     costs.observe("d", 3, 0.16)
-    # The measured width is what was measured; the others move by the same ratio to their seeds.
-    assert costs.seconds("d", 3) == pytest.approx(0.16) and costs.knows("d")
+    # One round teaches every width of its source by its ratio to the seed (2x here).
+    assert costs.knows("d") and costs.seconds("d", 3) == pytest.approx(0.16)
     assert costs.seconds("d", 7) == pytest.approx(0.12 * 2)
     costs.observe("d", 3, 0.08)
-    assert costs.seconds("d", 3) == pytest.approx(0.12)  # an EWMA, not the last round
+    # Measured `known` times, a width costs the median of its own rounds; the others the median ratio.
+    assert costs.seconds("d", 3) == pytest.approx(0.12)
+    assert costs.seconds("d", 7) == pytest.approx(0.12 * 1.5)
     assert costs.seconds("other", 3) == pytest.approx(0.08)  # another source keeps its seed
+
+
+def test_one_stalled_round_does_not_move_the_cost_book() -> None:
+    costs = CostBook(lambda name, drafted: 0.01, window=9)
+    for seconds in (0.01, 0.011, 2.0, 0.0105, 0.0098):  # a 2 s stall among 10 ms rounds
+        costs.observe("d", 7, seconds)
+    assert costs.seconds("d", 7) == pytest.approx(0.0105)
+    assert costs.seconds("d", 1) == pytest.approx(0.0105)  # nor the widths it teaches
+    for _ in range(9):  # a lasting change is learned within half the window
+        costs.observe("d", 7, 0.03)
+    assert costs.seconds("d", 7) == pytest.approx(0.03)
+
+
+def test_a_stall_inside_a_drafters_stint_does_not_make_auto_leave_it() -> None:
+    costs = book({"d": 0.01, PLAIN: 0.005})
+    arb = ForecastArbiter(["d", PLAIN], start="d", plain=PLAIN, priors={"d": 300.0}, costs=costs)
+    for seconds in (0.01, 0.01, 0.5, 0.01, 0.01):  # 3 tokens a round: 300 tok/s against plain's 200
+        arb.record("d", 3, seconds, 7)
+        assert arb.decide() is None
+    assert arb.forecast("d") == pytest.approx(300.0)
 
 
 def test_a_frozen_cost_book_never_learns() -> None:
