@@ -744,8 +744,13 @@ def run_real(
     per_mode: dict[str, Any] = {}
     runs: list[BenchRun] = []
 
-    def brief(p: dict[str, Any], r: GenerationResult) -> dict[str, Any]:
-        return {**_brief(p, r), "switches": list(telemetry.switches), "trace": telemetry.trace()}
+    selectors: dict[str, Any] = {}  # auto's selector: its priors after each request go into the record
+
+    def brief(p: dict[str, Any], r: GenerationResult, mode: str = "") -> dict[str, Any]:
+        out = {**_brief(p, r), "switches": list(telemetry.switches), "trace": telemetry.trace()}
+        if mode in selectors:
+            out["priors_after"] = {k: round(v, 1) for k, v in selectors[mode].priors().items()}
+        return out
 
     rounds_of: dict[tuple[str, Any], list[Any]] = {}  # (mode, prompt id) -> the seen-once run's rounds
 
@@ -849,6 +854,7 @@ def run_real(
                 plan=plan if smoke else None,
             )
             service = GenerationService(model, selector=choice.selector, clock=clock, telemetry=telemetry)
+            selectors[mode] = choice.selector
             entry["race_tok_s"] = dict(choice.rates)
             entry["race_winner"] = choice.mode
             log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
@@ -871,18 +877,18 @@ def run_real(
             log(f"{mode}: warm-up of {done.requests} requests in {done.seconds:.1f}s")
         p = first_prompt(rest + seen_set, target.prompt_lengths)
         r = request(service, p)
-        entry["first_request"] = brief(p, r)
+        entry["first_request"] = brief(p, r, mode)
         log(f"{mode}: first request {r.tokens_per_second:.1f} tok/s at {r.prompt_tokens} tokens")
         entry["new_to_mode"], entry["seen_once"] = [], []
         for p in () if smoke else seen_set:
             if budget.spent():
                 break
-            entry["new_to_mode"].append(brief(p, request(service, p)))
+            entry["new_to_mode"].append(brief(p, request(service, p), mode))
         services[mode] = service
 
     def seen_once(mode: str, entry: dict[str, Any], p: dict[str, Any]) -> None:
         r = request(services[mode], p)
-        entry["seen_once"].append(brief(p, r))
+        entry["seen_once"].append(brief(p, r, mode))
         runs.append(_run_record(mode, p, r))
         rounds_of[(mode, p["id"])] = telemetry.rounds
 
@@ -892,16 +898,16 @@ def run_real(
         if mode == "auto":
             for x in entry["new_to_mode"] + entry["seen_once"]:
                 log(f"auto {x['prompt_id']}: rounds {x['source_rounds']}; " + " | ".join(x["switches"]))
-                log(f"auto {x['prompt_id']} stints: {stints(x['trace'])}")
+                log(f"auto {x['prompt_id']} stints: {stints(x['trace'])}; priors after {x.get('priors_after')}")
         p = seen_set[0]
         if not smoke and not budget.spent():
-            entry["warm"] = brief(p, request(service, p))
+            entry["warm"] = brief(p, request(service, p), mode)
         for name, barrier in (("marked", False), ("profiled", True)):
             if budget.spent():
                 break
             with calls.recording(barrier=barrier):
                 r = request(service, p)
-            entry[name] = {**brief(p, r), "breakdown": breakdown(calls.rounds())}
+            entry[name] = {**brief(p, r, mode), "breakdown": breakdown(calls.rounds())}
         if "warm" in entry:
             per_round = entry.get("marked", {}).get("breakdown")
             log(f"{mode}: warm {entry['warm']['decode_tok_s']:.1f} tok/s; per round {per_round}")

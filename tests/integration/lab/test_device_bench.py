@@ -269,6 +269,9 @@ def test_real_bench_runs_every_mode_through_the_generation_service(
             assert m["marked"]["breakdown"]["drafter_device_s"] == 0.0  # only the profiled pass waits
             assert m["profiled"]["breakdown"]["drafter_device_s"] > 0
     assert "race_winner" in extra["modes"]["auto"]
+    # auto's records carry what the next request expects of each candidate
+    assert set(extra["modes"]["auto"]["seen_once"][-1]["priors_after"]) == {"baseline", "lookup", "dspark", "dflash"}
+    assert "priors_after" not in extra["modes"]["dspark"]["seen_once"][-1]
     assert all(f"| {mode} |" in table.read_text() for mode in modes)
 
 
