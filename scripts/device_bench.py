@@ -92,10 +92,10 @@ _stand_in(
 )
 _stand_in("structlog", get_logger=lambda *args, **kwargs: _Inert())
 
-from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
+from mlx_dspark.adapters.mlx.runtime import MlxRuntime
 
-with contextlib.suppress(Exception):  # a CPU nicety only; GPU builds report "native"
-    ensure_fast_blas()
+with contextlib.suppress(Exception):  # what every entrypoint runs first: the CPU's BLAS, MLX CUDA's graph cache
+    MlxRuntime().prepare()
 
 import gpu_bench
 
