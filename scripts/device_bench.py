@@ -605,6 +605,22 @@ class _StaySelector:
         return None
 
 
+class _StaySource:
+    """A fixed draft source under `_Stay` (the `<source>-stay` modes): its request keeps every round's features
+    and asks a switcher after each round, as an auto request does, with the source and cap of the fixed mode."""
+
+    def __init__(self, name: str, source: Any, cap: int) -> None:
+        self.mode = name
+        self._source = source
+        self._cap = cap
+
+    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        return Selection(name=self._source.name, source=self._source, policy=FixedCap(self._cap), switcher=_Stay())
+
+    def finished(self, selection: Selection, usage: Any) -> None:
+        return None
+
+
 class _Clock:
     def now(self) -> float:
         return now()
@@ -739,7 +755,7 @@ def run_real(
 
     clock, telemetry = _Clock(), _NullTelemetry()
     greedy = SamplingParams()
-    order = [m for m in modes if m in (PLAIN, PLAIN_CAPTURE, "auto") or m in sources]
+    order = [m for m in modes if m in (PLAIN, PLAIN_CAPTURE, "auto") or m.removesuffix("-stay") in sources]
     order.sort(key=lambda m: m != PLAIN)
     per_mode: dict[str, Any] = {}
     runs: list[BenchRun] = []
@@ -858,6 +874,10 @@ def run_real(
             entry["race_tok_s"] = dict(choice.rates)
             entry["race_winner"] = choice.mode
             log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
+        elif mode.endswith("-stay"):
+            src = sources[mode.removesuffix("-stay")]
+            cap = min(max_draft or src.max_block, src.max_block)
+            service = GenerationService(model, selector=_StaySource(mode, src, cap), clock=clock, telemetry=telemetry)
         elif mode == PLAIN_CAPTURE:
             service = GenerationService(model, selector=_StaySelector(), clock=clock, telemetry=telemetry)
         else:

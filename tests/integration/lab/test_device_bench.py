@@ -387,3 +387,18 @@ def test_the_gpu_memory_is_read_from_either_backends_device_info(
     monkeypatch.setattr(bench.mx, "default_device", lambda: mx.Device(mx.gpu))
     monkeypatch.setattr(bench.mx, "device_info", lambda: info)
     assert bench.device_memory_bytes() == expected
+
+
+def test_a_stay_mode_runs_a_fixed_source_the_way_an_auto_request_does(
+    bench: ModuleType, tiny_export: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "stay.json"
+    args = ["real", "--model", str(tiny_export["model"]), "--model-dtype", "float32", "--max-tokens", "8"]
+    args += ["--prompts", "1", "--modes", "baseline,dspark,dspark-stay", "--dspark", str(tiny_export["dspark"])]
+    assert bench.main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    runs = {r["mode"]: r for r in doc["runs"]}
+    assert set(runs) == {"baseline", "dspark", "dspark-stay"}
+    # the same source, cap and rounds as the fixed mode: only the switcher and the kept features differ
+    assert all(doc["device_bench"]["modes"]["dspark-stay"]["identical_to_plain"].values())
+    assert runs["dspark-stay"]["source_rounds"] == runs["dspark"]["source_rounds"]
