@@ -94,7 +94,7 @@ _stand_in("structlog", get_logger=lambda *args, **kwargs: _Inert())
 
 from mlx_dspark.adapters.mlx.runtime import MlxRuntime
 
-with contextlib.suppress(Exception):  # what every entrypoint runs first: the CPU's BLAS, MLX CUDA's graph cache
+with contextlib.suppress(Exception):  # what every entrypoint runs first (the CPU BLAS; GPU builds report "native")
     MlxRuntime().prepare()
 
 import gpu_bench

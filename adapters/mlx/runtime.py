@@ -5,14 +5,7 @@ Nothing here imports MLX at module level: `prepare` must run before the first `i
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-# MLX CUDA replays every batch of ~20 ops as a cached CUDA graph, in an LRU of 100 by default. One verify of
-# the default model is ~25 such graphs per width, so auto (plain steps, two drafters, lookup's varying widths)
-# cycled through more than 100 and rebuilt them after every switch. Read once, when CUDA starts; Metal ignores it.
-GRAPH_CACHE_ENV = "MLX_CUDA_GRAPH_CACHE_SIZE"
-GRAPH_CACHE_SIZE = "4096"
 
 
 class MlxRuntime:
@@ -21,7 +14,6 @@ class MlxRuntime:
     def prepare(self) -> str:
         from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
 
-        os.environ.setdefault(GRAPH_CACHE_ENV, GRAPH_CACHE_SIZE)  # a user's own setting wins
         return ensure_fast_blas().name
 
     def report(self) -> dict[str, Any]:
@@ -31,6 +23,7 @@ class MlxRuntime:
 
     def calibration_environment(self) -> dict[str, str]:
         """The device and MLX version that key saved calibrations (measured costs hold only there)."""
+        import os
         import platform
 
         import mlx.core as mx
