@@ -11,6 +11,7 @@ lossless.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -139,7 +140,8 @@ class AutoSelector:
     running from its prior scaled by how the running drafter does against its own. The request runs the
     best forecast, moving when another's beats the running source's estimate by the margin; the running
     source's cap policy (a MeasuredCap on the calibrated curves) may move it too. Between requests the
-    selector keeps each candidate's measured rate and tokens per round (EWMAs seeded with the race); the
+    selector keeps each candidate's measured rate and tokens per round (EWMAs seeded with the race; a drafter
+    that did not run on a prompt moves by the factor the ones that ran beat their own priors there); the
     next request's priors are those tokens per round at the cost book's seconds, and it starts on the best
     of them (one prompt's winner says little of the next). Cap policies are fresh per request, as in fixed
     modes.
@@ -439,11 +441,26 @@ class _RequestSwitcher:
         measured = self.arbiter.measured()
         for name, rate in measured.items():
             owner._fold(name, rate)
-        for name, (tokens, drafted) in self.arbiter.acceptance().items():
+        seen = self.arbiter.acceptance()
+        # How this prompt went for the drafters that ran on it, against their priors (lookup's replay says
+        # how repetitive the text is, not how predictable: it does not count).
+        ratios = [
+            tokens / owner._candidates[name].accept
+            for name, (tokens, _) in seen.items()
+            if name not in self.arbiter.shadowed and owner._candidates[name].accept > 0 and tokens > 0
+        ]
+        for name, (tokens, drafted) in seen.items():
             cand = owner._candidates[name]
             fresh = cand.accept <= 0
             cand.accept = tokens if fresh else cand.accept + owner._alpha * (tokens - cand.accept)
             cand.drafted = drafted if fresh else cand.drafted + owner._alpha * (drafted - cand.drafted)
+        if ratios:
+            # A drafter that did not run here moves as the ones that did: else a drafter looked at only on
+            # chat would keep a chat-sized prior against one measured only on code, and never run on code.
+            factor = math.exp(statistics.fmean(math.log(r) for r in ratios))
+            for name, cand in owner._candidates.items():
+                if name not in seen and cand.source is not None and cand.accept > 0:
+                    cand.accept += owner._alpha * (cand.accept * factor - cand.accept)
 
 
 @attrs.frozen

@@ -12,13 +12,21 @@ from mlx_dspark.application.engine import decode
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.drafting.selection import PLAIN, Selection
-from mlx_dspark.domain.events import RoundFinished, SourceSwitched, TokensCommitted
+from mlx_dspark.domain.events import RoundFinished, SourceSwitched, TokensCommitted, Usage
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from tests.fakes.clock import RecordingTelemetrySink
 from tests.integration.calibration.timed_fakes import ManualClock, TimedSource, TimedTarget, flat, loaded
 
 GREEDY = SamplingParams()
 PROMPT = [5, 3, 9, 1, 7]
+
+
+class _Named:
+    """A draft source as the selector sees it when the test reports its rounds itself."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.max_block = 7
 
 
 def plain_output(target: TimedTarget, clock: ManualClock, n: int) -> list[int]:
@@ -229,3 +237,34 @@ def test_a_hard_request_does_not_shrink_the_next_requests_drafts() -> None:
     _, events = one_request(selector, target, clock)
     drafted = [e.drafted for e in events if isinstance(e, RoundFinished) and e.source == "spec"]
     assert drafted[0] == 6 and sum(d == 6 for d in drafted) >= len(drafted) // 2
+
+
+def test_a_drafter_not_run_on_a_prompt_keeps_pace_with_the_one_that_ran() -> None:
+    """Two equally good drafters both measured on a hard prompt, then only one run on easy prompts: the other's
+    prior moves with it (by how far the one that ran beat its own prior), so it is not left forever with the
+    hard prompt's figure and never looked at where it would win (the H100 run of 2026-12-05: DSpark's prior
+    kept chat's 84-101 tok/s while DFlash ran code at 250; fixed DSpark ran code at 300)."""
+    seconds = 0.01
+    curves = {n: CostCurves(verify_s={1: seconds, 8: seconds}, draft_s={1: 1e-4, 7: 1e-4}) for n in ("a", "b")}
+    curves[PLAIN] = CostCurves(verify_s={1: seconds})
+    policies = {n: cap_policy_factory(7, None, 7) for n in ("a", "b")}
+    selector = AutoSelector(
+        {"a": _Named("a"), "b": _Named("b"), PLAIN: None}, policies, {"a": 150.0, "b": 150.0}, curves=curves
+    )
+
+    def request(rounds: Sequence[tuple[str, int]]) -> None:
+        selection = selector.select(PROMPT)
+        switcher = selection.switcher
+        assert switcher is not None
+        history = [*PROMPT, 0]
+        for name, tokens in rounds:  # the sources named here run, whatever the rule proposes
+            history.extend([1] * tokens)
+            switcher.after_round(name, tokens, seconds, drafted=7, history=history)
+        selector.finished(selection, Usage(prompt_tokens=len(PROMPT), generated_tokens=len(history), source="b"))
+
+    request([("a", 1)] * 20 + [("b", 1)] * 20)  # a hard prompt: both commit one token a round
+    for _ in range(4):
+        request([("b", 4)] * 30)  # easy prompts: b alone, four tokens a round
+    priors = selector.priors()
+    assert priors["b"] > 3 * priors[PLAIN]
+    assert priors["a"] > 0.8 * priors["b"]  # without the co-move: a stays at the hard prompt's 1 token a round
