@@ -288,23 +288,27 @@ def test_with_warmup_each_mode_runs_the_servers_warm_up_before_its_first_request
     assert all("error" not in m and m["first_request"]["generated_tokens"] > 0 for m in modes.values())
 
 
-def test_plain_under_a_switcher_records_features_and_decodes_as_plain(
+def test_sources_under_a_switcher_that_never_moves_decode_as_their_fixed_modes(
     bench: ModuleType, tiny_export: dict[str, Path], tmp_path: Path
 ) -> None:
-    # The A/B for auto's plain rounds: the same plain steps with the target recording features every step.
+    # The A/Bs for auto's rounds: the same plain steps (baseline-capture) or the same source, cap and rounds
+    # (dspark-stay), with features recorded and kept every round and a switcher asked after each, as in auto.
     out = tmp_path / "real.json"
     args = ["real", "--model", str(tiny_export["model"]), "--model-dtype", "float32", "--max-tokens", "8"]
-    args += ["--prompts", "2", "--modes", "baseline,baseline-capture,dspark", "--dspark", str(tiny_export["dspark"])]
-    assert bench.main([*args, "--json", str(out)]) == 0
+    args += ["--prompts", "2", "--modes", "baseline,baseline-capture,dspark,dspark-stay"]
+    assert bench.main([*args, "--dspark", str(tiny_export["dspark"]), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     modes = doc["device_bench"]["modes"]
-    assert list(modes) == ["baseline", "baseline-capture", "dspark"]
+    assert list(modes) == ["baseline", "baseline-capture", "dspark", "dspark-stay"]
     assert all("error" not in m for m in modes.values())
     capture = modes["baseline-capture"]
     assert all(capture["identical_to_plain"].values()) and all(v is None for v in capture["divergences"].values())
     rounds = capture["marked"]["breakdown"]["rounds"]
     assert rounds == capture["marked"]["generated_tokens"] - 1  # one plain step a round, no draft
     assert set(modes["dspark"]["divergences"]) == set(modes["dspark"]["identical_to_plain"])
+    assert all(modes["dspark-stay"]["identical_to_plain"].values())
+    stay = {r["prompt_id"]: r["source_rounds"] for r in doc["runs"] if r["mode"] == "dspark-stay"}
+    assert stay == {r["prompt_id"]: r["source_rounds"] for r in doc["runs"] if r["mode"] == "dspark"}
 
 
 def test_a_divergence_is_located_and_read_as_a_near_tie_or_not(bench: ModuleType, tiny_export: dict[str, Path]) -> None:
@@ -387,18 +391,3 @@ def test_the_gpu_memory_is_read_from_either_backends_device_info(
     monkeypatch.setattr(bench.mx, "default_device", lambda: mx.Device(mx.gpu))
     monkeypatch.setattr(bench.mx, "device_info", lambda: info)
     assert bench.device_memory_bytes() == expected
-
-
-def test_a_stay_mode_runs_a_fixed_source_the_way_an_auto_request_does(
-    bench: ModuleType, tiny_export: dict[str, Path], tmp_path: Path
-) -> None:
-    out = tmp_path / "stay.json"
-    args = ["real", "--model", str(tiny_export["model"]), "--model-dtype", "float32", "--max-tokens", "8"]
-    args += ["--prompts", "1", "--modes", "baseline,dspark,dspark-stay", "--dspark", str(tiny_export["dspark"])]
-    assert bench.main([*args, "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    runs = {r["mode"]: r for r in doc["runs"]}
-    assert set(runs) == {"baseline", "dspark", "dspark-stay"}
-    # the same source, cap and rounds as the fixed mode: only the switcher and the kept features differ
-    assert all(doc["device_bench"]["modes"]["dspark-stay"]["identical_to_plain"].values())
-    assert runs["dspark-stay"]["source_rounds"] == runs["dspark"]["source_rounds"]
