@@ -457,7 +457,7 @@ class _RequestSwitcher:
         if ratios:
             # A drafter that did not run here moves as the ones that did: else a drafter looked at only on
             # chat would keep a chat-sized prior against one measured only on code, and never run on code.
-            factor = math.exp(statistics.fmean(math.log(r) for r in ratios))
+            factor = statistics.geometric_mean(ratios)
             for name, cand in owner._candidates.items():
                 if name not in seen and cand.source is not None and cand.accept > 0:
                     cand.accept += owner._alpha * (cand.accept * factor - cand.accept)

@@ -594,27 +594,18 @@ class _Stay:
 
 
 class _StaySelector:
-    """Plain decoding under `_Stay` (the PLAIN_CAPTURE mode)."""
+    """A mode under `_Stay`: plain decoding (the PLAIN_CAPTURE mode) or a fixed draft source at a fixed cap (the
+    `<source>-stay` modes). Its request records and keeps every round's features and asks a switcher after each
+    round, as an auto request does, running what the fixed mode runs."""
 
-    mode = PLAIN_CAPTURE
-
-    def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
-        return Selection(name=PLAIN, source=None, switcher=_Stay())
-
-    def finished(self, selection: Selection, usage: Any) -> None:
-        return None
-
-
-class _StaySource:
-    """A fixed draft source under `_Stay` (the `<source>-stay` modes): its request keeps every round's features
-    and asks a switcher after each round, as an auto request does, with the source and cap of the fixed mode."""
-
-    def __init__(self, name: str, source: Any, cap: int) -> None:
-        self.mode = name
+    def __init__(self, mode: str, source: Any = None, cap: int = 0) -> None:
+        self.mode = mode
         self._source = source
         self._cap = cap
 
     def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
+        if self._source is None:
+            return Selection(name=PLAIN, source=None, switcher=_Stay())
         return Selection(name=self._source.name, source=self._source, policy=FixedCap(self._cap), switcher=_Stay())
 
     def finished(self, selection: Selection, usage: Any) -> None:
@@ -842,9 +833,10 @@ def run_real(
     env = environment()
     services: dict[str, GenerationService] = {}
 
-    def guarded(mode: str, entry: dict[str, Any], body: Callable[[], None]) -> None:
+    def guarded(mode: str, body: Callable[..., None], *args: Any) -> None:
+        entry = per_mode[mode]
         try:
-            body()
+            body(mode, entry, *args)
         except Exception as exc:  # keep going: one failing mode must not cost the slot
             entry["error"] = repr(exc)
             entry["traceback"] = traceback.format_exc()[-3000:]
@@ -877,9 +869,9 @@ def run_real(
         elif mode.endswith("-stay"):
             src = sources[mode.removesuffix("-stay")]
             cap = min(max_draft or src.max_block, src.max_block)
-            service = GenerationService(model, selector=_StaySource(mode, src, cap), clock=clock, telemetry=telemetry)
+            service = GenerationService(model, selector=_StaySelector(mode, src, cap), clock=clock, telemetry=telemetry)
         elif mode == PLAIN_CAPTURE:
-            service = GenerationService(model, selector=_StaySelector(), clock=clock, telemetry=telemetry)
+            service = GenerationService(model, selector=_StaySelector(PLAIN_CAPTURE), clock=clock, telemetry=telemetry)
         else:
             src = sources.get(mode)
             factory = None if src is None else cap_policy_factory(max_draft, None, src.max_block)
@@ -938,14 +930,14 @@ def run_real(
         if budget.spent():
             break
         per_mode[mode] = {"mode": mode}
-        guarded(mode, per_mode[mode], lambda mode=mode: set_up(mode, per_mode[mode]))  # type: ignore[misc]
+        guarded(mode, set_up)
     for p in seen_set:
         for mode in [m for m in order if m in services]:
             if budget.spent():
                 break
-            guarded(mode, per_mode[mode], lambda mode=mode, p=p: seen_once(mode, per_mode[mode], p))  # type: ignore[misc]
+            guarded(mode, seen_once, p)
     for mode in [m for m in order if m in services]:
-        guarded(mode, per_mode[mode], lambda mode=mode: warm(mode, per_mode[mode]))  # type: ignore[misc]
+        guarded(mode, warm)
     doc = document()
     free_memory()
     return doc

@@ -26,8 +26,8 @@ mkdir -p "$H/pkg/mlx_dspark"
 for d in domain adapters application entrypoints; do ln -sfn "$REPO/$d" "$H/pkg/mlx_dspark/$d"; done
 export PYTHONPATH=$H/pkg${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$H/mlx-site/.ok" ] && export PYTHONPATH=$H/mlx-site:$PYTHONPATH
-# MLX CUDA's JIT-compiled kernels on disk, shared by every call of the slot (the 2026-12-05 train call spent
-# ~170 s before its first steps; the bench's and earlier calls' kernels are then compiled once).
+# MLX CUDA's JIT-compiled kernels on disk, shared by every call of the slot, so a later call reuses what an earlier
+# one compiled (the 2026-12-05 train call spent ~170 s before its first steps; how much is JIT is not yet measured).
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$H/ptx-cache}
 mkdir -p "$MLX_PTX_CACHE_DIR"
 distill() { "$PY" "$REPO/scripts/gpu_distill.py" "$@" --model "$H/target" --work "$W" $EXTRA; }
