@@ -1433,11 +1433,14 @@ def _key_buckets() -> bool | str:
 
 
 def _row_products() -> bool | str:
-    """Whether this run's few-row projections ran as row products (MLX_DSPARK_ROW_PRODUCTS)."""
+    """Whether this run's few-row projections ran as row products (MLX_DSPARK_ROW_PRODUCTS), and for which weight
+    dtypes the few-row kernel passed its check (after the models loaded)."""
     try:
         from mlx_dspark.adapters.mlx import row_products
 
-        return row_products.enabled()
+        on = row_products.enabled()
+        kernel = [str(d).removeprefix("mlx.core.") for d, ok in row_products._skinny_ok.items() if ok]
+        return f"{on}, few-row kernel: {', '.join(kernel) or 'none'}" if on else on
     except (ImportError, ValueError) as exc:
         return repr(exc)
 

@@ -14,7 +14,9 @@ on the device (all drafts kept, so every round has the same shape as a fully acc
   attend over a fixed key length per 256 rows, adapters/mlx/key_buckets.py; compiled = those with each wide
   forward replayed as one compiled graph, adapters/mlx/compiled_forward.py; rowwise = compiled, with every
   projection of a wide forward run as a batch of one-row products (`row_products`), the matrix-vector kernel a
-  plain step uses instead of a cuBLAS GEMM: the H200 spent ~8 ms of dispatch on 8 rows against ~2.3 ms on one)
+  plain step uses instead of a cuBLAS GEMM: the H200 spent ~8 ms of dispatch on 8 rows against ~2.3 ms on one;
+  skinny = compiled, with projections of 2..16 rows through the engine's few-row CUDA kernel, `row_products.skinny`:
+  the weight read once for every row, one launch and no cuBLASLt call)
   repeat_ms    the same rounds again over the same cache lengths (every shape seen once): what a per-shape cost
                (kernel JIT, graph instantiation) adds is synced_ms - repeat_ms
   overlapped   the next round built and dispatched from the device-side verdict before this one is read (the
@@ -56,8 +58,20 @@ _LINEAR = nn.Linear.__call__
 
 
 def _rowwise(self: nn.Linear, x: mx.array) -> mx.array:
-    """The engine's row products (`row_products.RowLinear`) for this module, switch or not."""
+    """The engine's row products (`row_products.RowLinear`) for this module, switch or not, the kernel kept out."""
+    checked, row_products._skinny_ok = row_products._skinny_ok, {}
+    try:
+        return row_products.project(self, x)
+    finally:
+        row_products._skinny_ok = checked
+
+
+def _skinny(self: nn.Linear, x: mx.array) -> mx.array:
+    """The engine's projection with the few-row kernel (checked for the dtype before the trace: `_forward`)."""
     return row_products.project(self, x)
+
+
+_PATCHES = {"rowwise": _rowwise, "skinny": _skinny}
 
 
 class _Unrecorded:
@@ -65,10 +79,13 @@ class _Unrecorded:
 
 
 def _forward(model: Any, tokens: mx.array, cache: Any, kind: str = "plain") -> mx.array:
-    if kind in ("compiled", "rowwise") and CompiledForward.applies(cache, int(tokens.shape[0])):
+    if kind in ("compiled", *_PATCHES) and CompiledForward.applies(cache, int(tokens.shape[0])):
         graph = _COMPILED.setdefault((id(model), kind), CompiledForward(model, lambda layers: _Unrecorded()))
-        if kind == "rowwise":  # the patch is live while the graph is traced (its first call per shape)
-            nn.Linear.__call__ = _rowwise
+        if kind == "skinny":  # as `row_products.install` does, outside any trace
+            for dtype in {m.weight.dtype for _, m in model.named_modules() if type(m) is nn.Linear}:
+                row_products.check_skinny(dtype)
+        if kind in _PATCHES:  # the patch is live while the graph is traced (its first call per shape)
+            nn.Linear.__call__ = _PATCHES[kind]
         try:
             logits = graph(tokens, cache, ())[0][0]
         finally:

@@ -16,6 +16,13 @@ projection row products at widths 4-16: 30 layers of SmolLM2-135M (weights <= 1.
 from 10.7 to 7.3 ms a round, while a Qwen3-4B shape (5-50 MB weights) went from 9.3-11.2 to 11.4-27.4 ms and a
 32B shape's oracle speedup fell from 4.2x to 1.4x; the budget keeps the first and leaves the others' GEMMs.
 
+On CUDA a projection of 2..`SKINNY_ROWS` rows runs one kernel of our own instead (`skinny`, through
+`mx.fast.cuda_kernel`): a warp per output column reads its weight row once, 16 bytes a lane, and keeps every
+row's sum in registers (fp32), so the weight is read once for all rows, as a GEMM reads it, at the host cost of
+one kernel launch. Each row's sum runs in the same order whatever the number of rows. `install` checks the kernel
+against MLX's product once per weight dtype before any model uses it and falls back to the row products above
+if it fails to compile or disagrees.
+
 Metal and the CPU have no such per-call cost (and the CPU's BLAS is faster on one GEMM), so "auto" installs this
 on CUDA only. `install` changes the class of a model's own `nn.Linear` modules, so it is per model, not a
 process-wide patch: another model in the same process keeps MLX's path.
@@ -23,7 +30,9 @@ process-wide patch: another model in the same process keeps MLX's path.
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +41,8 @@ from mlx import nn
 from mlx_dspark.adapters.mlx.device import cuda_switch
 
 ENV = "MLX_DSPARK_ROW_PRODUCTS"  # "auto" (CUDA only), "on", "off"
+SKINNY_ENV = "MLX_DSPARK_SKINNY"  # the few-row kernel: "auto" (CUDA only), "on", "off"
+SKINNY_ROWS = 16  # widest projection the few-row kernel runs (a verify of 15 drafts, a DFlash block)
 MAX_ROWS = 32  # widest projection run as row products: a verify or a draft block, not a prefill chunk
 # rows x weight bytes a projection may re-read (see the module docstring); MLX_DSPARK_ROW_BYTES sets it for a bench
 MAX_BYTES = int(os.environ.get("MLX_DSPARK_ROW_BYTES") or 32 << 20)
@@ -51,13 +62,123 @@ def product(weight: mx.array, x: mx.array) -> mx.array:
 
 
 def project(module: nn.Linear, x: mx.array) -> mx.array:
-    """`module(x)`, with 2..MAX_ROWS rows of x as row products within the byte budget (MLX's own projection
-    otherwise)."""
+    """`module(x)`, with 2..SKINNY_ROWS rows of x through the few-row kernel where it is verified, else 2..MAX_ROWS
+    rows as row products within the byte budget (MLX's own projection otherwise)."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    if not 1 < rows <= MAX_ROWS or rows * module.weight.nbytes > MAX_BYTES:
+    weight = module.weight
+    if 1 < rows <= SKINNY_ROWS and _skinny_fits(weight, x):
+        y = skinny(weight, x)
+    elif not 1 < rows <= MAX_ROWS or rows * weight.nbytes > MAX_BYTES:
         return _LINEAR(module, x)
-    y = product(module.weight, x)
+    else:
+        y = product(weight, x)
     return y + module["bias"] if "bias" in module else y
+
+
+# The few-row kernel: y[m, n] = sum_k x[m, k] w[n, k] for x [M, K], w [N, K]. One warp per output column n
+# (grid: 32 threads a column); lane l reads 16 bytes of w's row at k = l·VEC, l·VEC + 32·VEC, ... (coalesced) and
+# the same columns of every x row, keeping M fp32 sums; a butterfly reduction, then lane m writes row m. M is
+# read at run time (up to ROWS), so one kernel per dtype serves every width: nothing compiles mid-request.
+_SKINNY_SOURCE = """
+    constexpr int VEC = 16 / sizeof(T);
+    const int M = x_shape[0];
+    const int N = w_shape[0];
+    const int K = w_shape[1];
+    const int lane = threadIdx.x & 31;
+    const long n = (long(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    if (n >= N) return;
+    const T* wr = w + n * K;
+    float acc[ROWS];
+    #pragma unroll
+    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
+    for (int k = lane * VEC; k < K; k += 32 * VEC) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(wr + k);
+        const T* wp = reinterpret_cast<const T*>(&wv);
+        float wf[VEC];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) wf[j] = static_cast<float>(wp[j]);
+        #pragma unroll
+        for (int m = 0; m < ROWS; ++m) {
+            if (m >= M) break;
+            const uint4 xv = *reinterpret_cast<const uint4*>(x + long(m) * K + k);
+            const T* xp = reinterpret_cast<const T*>(&xv);
+            float s = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) s += wf[j] * static_cast<float>(xp[j]);
+            acc[m] += s;
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+        if (m >= M) break;
+        float v = acc[m];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == m) y[long(m) * N + n] = static_cast<T>(v);
+    }
+"""
+_SKINNY_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+_skinny_ok: dict[mx.Dtype, bool] = {}  # weight dtype -> the kernel passed its check (install)
+
+
+def skinny_enabled() -> bool:
+    """Whether few-row projections may run the kernel in this process (CUDA; `SKINNY_ENV`)."""
+    return cuda_switch(SKINNY_ENV)
+
+
+def _skinny_fits(weight: mx.array, x: mx.array) -> bool:
+    """The kernel takes this product: checked for the weight's dtype, x of the same dtype, rows of whole 16-byte
+    vectors."""
+    return (
+        _skinny_ok.get(weight.dtype, False)
+        and x.dtype == weight.dtype
+        and weight.ndim == 2
+        and weight.shape[1] % (16 // weight.dtype.size) == 0
+    )
+
+
+@functools.cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(name="dspark_skinny", input_names=["x", "w"], output_names=["y"], source=_SKINNY_SOURCE)
+
+
+def skinny(weight: mx.array, x: mx.array) -> mx.array:
+    """x [..., K] @ weight.T for weight [N, K], 2..SKINNY_ROWS rows, as one launch of the few-row kernel."""
+    rows, k, n = x.size // x.shape[-1], x.shape[-1], weight.shape[0]
+    (y,) = _kernel()(
+        inputs=[x.reshape(rows, k), weight],
+        template=[("T", weight.dtype), ("ROWS", SKINNY_ROWS)],
+        grid=(n * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[weight.dtype],
+    )
+    return y.reshape(*x.shape[:-1], n)
+
+
+def check_skinny(dtype: mx.Dtype) -> bool:
+    """Run the kernel once for `dtype` against MLX's product (fp32 sums of the same inputs) and remember whether
+    it may serve: a kernel that does not compile, or whose sums are off by more than the dtype's rounding,
+    never does. Needs a device that runs `mx.fast.cuda_kernel`."""
+    if dtype in _skinny_ok:
+        return _skinny_ok[dtype]
+    ok = False
+    if dtype in _SKINNY_DTYPES:
+        try:
+            key = mx.random.key(7)
+            w = mx.random.normal((200, 512), key=key).astype(dtype)
+            x = mx.random.normal((2, 3, 512), key=mx.random.split(key)[0]).astype(dtype)
+            got = skinny(w, x).astype(mx.float32)
+            want = x.astype(mx.float32) @ w.astype(mx.float32).T
+            # the output's own rounding (one ulp of a sum of ~sqrt(512) ~ 23) plus fp32 sums in another order
+            ok = bool(mx.allclose(got, want, atol=0.5 if dtype != mx.float32 else 1e-3, rtol=1e-2).item())
+            if not ok:
+                warnings.warn(f"the few-row kernel disagrees with MLX in {dtype}: row products serve", stacklevel=2)
+        except (RuntimeError, ValueError) as exc:
+            warnings.warn(f"the few-row kernel is unavailable ({exc}): row products serve", stacklevel=2)
+    _skinny_ok[dtype] = ok
+    return ok
 
 
 class RowLinear(nn.Linear):
@@ -77,4 +198,6 @@ def install(model: Any) -> int:
         if type(module) is nn.Linear:
             module.__class__ = RowLinear
             changed += 1
+        if type(module) is RowLinear and skinny_enabled():
+            check_skinny(module.weight.dtype)  # before any forward is traced (the check evaluates)
     return changed

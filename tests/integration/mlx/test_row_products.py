@@ -140,3 +140,64 @@ def test_every_family_decodes_with_row_products_as_mlx_lm_does(rows_on: list[int
     suite.test_speculative_equals_plain_and_mlx_lm(family)
     # Quantized projections keep MLX's own kernels (no cuBLASLt call to save); dense ones take row products.
     assert any(rows > 1 for rows in rows_on) == (family not in QUANTIZED)
+
+
+@pytest.fixture
+def skinny_spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The few-row kernel taken as checked for float32, with MLX's own product standing in for it (the kernel
+    itself runs on CUDA only: the device bench measures it); yields the row counts it served."""
+    monkeypatch.setattr(row_products, "_skinny_ok", {mx.float32: True})
+    served: list[int] = []
+
+    def stand_in(weight: mx.array, x: mx.array) -> mx.array:
+        served.append(x.size // x.shape[-1])
+        return x @ weight.T
+
+    monkeypatch.setattr(row_products, "skinny", stand_in)
+    yield served
+
+
+def test_few_rows_take_the_kernel_and_more_take_row_products(rows_on: list[int], skinny_spy: list[int]) -> None:
+    linear = nn.Linear(64, 96)
+    plain = nn.Linear(64, 96)
+    plain.update(linear.parameters())
+    linear.__class__ = row_products.RowLinear
+    for rows, kernel, products in [
+        (1, [], []),
+        (2, [2], []),
+        (row_products.SKINNY_ROWS, [row_products.SKINNY_ROWS], []),
+        (row_products.SKINNY_ROWS + 1, [], [row_products.SKINNY_ROWS + 1]),
+    ]:
+        rows_on.clear()
+        skinny_spy.clear()
+        x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
+        assert mx.allclose(linear(x), plain(x), atol=1e-4, rtol=1e-5).item()  # the bias is added either way
+        assert (skinny_spy, rows_on) == (kernel, products), rows
+    # Another dtype than the checked one, or rows that are not whole 16-byte vectors: never the kernel.
+    skinny_spy.clear()
+    linear(mx.random.normal((4, 64)).astype(mx.bfloat16))
+    odd = row_products.RowLinear(62, 8)
+    odd(mx.random.normal((4, 62)))
+    assert skinny_spy == []
+
+
+def test_an_unavailable_kernel_is_refused_once_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(row_products, "_skinny_ok", {})
+    monkeypatch.setenv(row_products.ENV, "on")
+    monkeypatch.setenv(row_products.SKINNY_ENV, "on")
+    model = helpers.tiny_target("qwen3", seed=2)
+    with pytest.warns(UserWarning, match="few-row kernel is unavailable"):  # MLX's CPU runs no CUDA kernel
+        row_products.install(model)
+    assert row_products._skinny_ok == {mx.float32: False}
+    assert not row_products.check_skinny(mx.float32)  # remembered: no second try, no second warning
+    assert not row_products.check_skinny(mx.int32)  # a dtype the kernel has no form for
+
+
+def test_a_kernel_that_disagrees_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(row_products, "_skinny_ok", {})
+    monkeypatch.setattr(row_products, "skinny", lambda weight, x: (x @ weight.T) * 1.05)
+    with pytest.warns(UserWarning, match="disagrees"):
+        assert not row_products.check_skinny(mx.float32)
+    monkeypatch.setattr(row_products, "_skinny_ok", {})
+    monkeypatch.setattr(row_products, "skinny", lambda weight, x: x @ weight.T)
+    assert row_products.check_skinny(mx.float32)
