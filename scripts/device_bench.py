@@ -44,6 +44,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 import types
@@ -518,6 +519,44 @@ class _NullTelemetry:
         return out
 
 
+class _StallWatch:
+    """Samples the bench thread's Python stack while one round has run past `after_s`: where the host is during a
+    stall (the H100's one 23 s DFlash round of 2026-12-05 had no explanation), not a guess. A daemon thread, on
+    only between `arm` and `disarm`; at most `keep` samples a request."""
+
+    def __init__(self, telemetry: _NullTelemetry, after_s: float = 1.0, every_s: float = 0.25, keep: int = 24) -> None:
+        self._telemetry, self._after, self._every, self._keep = telemetry, after_s, every_s, keep
+        self._thread = threading.get_ident()
+        self._since: float | None = None
+        self.samples: list[dict[str, Any]] = []
+        threading.Thread(target=self._run, name="stall-watch", daemon=True).start()
+
+    def arm(self) -> None:
+        self.samples = []
+        self._since = now()
+
+    def disarm(self) -> None:
+        self._since = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._every)
+            since = self._since
+            if since is None or len(self.samples) >= self._keep:
+                continue
+            ends = self._telemetry.ends
+            start = max(ends[-1], since) if ends else since
+            if now() - start < self._after:
+                continue
+            frame = sys._current_frames().get(self._thread)
+            if frame is None:
+                continue
+            stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
+            self.samples.append(
+                {"round": len(self._telemetry.rounds), "waited_ms": round((now() - start) * 1e3), "stack": stack}
+            )
+
+
 def divergence_report(
     module: Any, prompt: Sequence[int], plain: Sequence[int], spec: Sequence[int], rounds: Sequence[Any]
 ) -> dict[str, Any] | None:
@@ -745,6 +784,7 @@ def run_real(
             log(f"{kind}: cannot load: {exc!r}")
 
     clock, telemetry = _Clock(), _NullTelemetry()
+    watch = _StallWatch(telemetry)
     greedy = SamplingParams()
     order = [m for m in modes if m in (PLAIN, PLAIN_CAPTURE, "auto") or m.removesuffix("-stay") in sources]
     order.sort(key=lambda m: m != PLAIN)
@@ -755,6 +795,10 @@ def run_real(
 
     def brief(p: dict[str, Any], r: GenerationResult, mode: str = "") -> dict[str, Any]:
         out = {**_brief(p, r), "switches": list(telemetry.switches), "trace": telemetry.trace()}
+        if watch.samples:
+            out["stalls"] = list(watch.samples)
+            first = watch.samples[0]
+            log(f"stall: {mode} {p['id']} round {first['round']}, {len(watch.samples)} samples: {first['stack'][-4:]}")
         if mode in selectors:
             out["priors_after"] = {k: round(v, 1) for k, v in selectors[mode].priors().items()}
         return out
@@ -766,9 +810,13 @@ def run_real(
         telemetry.switches.clear()
         telemetry.rounds = []
         telemetry.ends = []
-        return service.generate(
-            GenerationRequest(prompt=list(p["ids"]), max_tokens=max_tokens, sampling=greedy, prefix_cache=False)
-        )
+        watch.arm()
+        try:
+            return service.generate(
+                GenerationRequest(prompt=list(p["ids"]), max_tokens=max_tokens, sampling=greedy, prefix_cache=False)
+            )
+        finally:
+            watch.disarm()
 
     def document() -> dict[str, Any]:
         fixed = [m for m in order if m != "auto" and m in per_mode]

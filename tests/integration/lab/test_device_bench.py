@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -391,3 +392,26 @@ def test_the_gpu_memory_is_read_from_either_backends_device_info(
     monkeypatch.setattr(bench.mx, "default_device", lambda: mx.Device(mx.gpu))
     monkeypatch.setattr(bench.mx, "device_info", lambda: info)
     assert bench.device_memory_bytes() == expected
+
+
+def test_a_stalled_round_is_sampled_where_the_host_is(bench: ModuleType) -> None:
+    telemetry = bench._NullTelemetry()
+    watch = bench._StallWatch(telemetry, after_s=0.1, every_s=0.02)
+
+    def a_slow_place() -> None:
+        time.sleep(0.4)
+
+    watch.arm()
+    a_slow_place()
+    watch.disarm()
+    assert watch.samples, "a 0.4 s round past a 0.1 s threshold was never sampled"
+    assert all(s["round"] == 0 and s["waited_ms"] >= 100 for s in watch.samples)
+    assert any("a_slow_place" in frame for frame in watch.samples[0]["stack"])
+    held = len(watch.samples)
+    time.sleep(0.2)  # disarmed: nothing more
+    assert len(watch.samples) == held
+    watch.arm()  # a round that ends in time is not a stall
+    telemetry.ends.append(bench.now())
+    time.sleep(0.05)
+    watch.disarm()
+    assert watch.samples == []
