@@ -126,7 +126,7 @@ from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
 from mlx_dspark.domain.drafting.selection import Selection
-from mlx_dspark.domain.events import Finished, RoundFinished, TokensCommitted
+from mlx_dspark.domain.events import Finished, RoundFinished, SourceSwitched, TokensCommitted
 from mlx_dspark.domain.model import LoadedModel
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from tests import near_ties  # the lab's near-tie reading (mlx, numpy and attrs only)
@@ -632,23 +632,47 @@ class _Stay:
         return None
 
 
+class _LateSwitch:
+    """A SourceSwitcher that moves once, after `rounds` rounds, to `then` (the `<source>-late<N>` modes)."""
+
+    def __init__(self, rounds: int, then: Selection) -> None:
+        self._left, self._then = rounds, then
+
+    def after_round(self, name: str, committed: int, seconds: float, **_: Any) -> Selection | None:
+        self._left -= 1
+        return self._then if self._left == 0 else None
+
+
 class _StaySelector:
     """A mode under `_Stay`: plain decoding (the PLAIN_CAPTURE mode) or a fixed draft source at a fixed cap (the
     `<source>-stay` modes). Its request records and keeps every round's features and asks a switcher after each
-    round, as an auto request does, running what the fixed mode runs."""
+    round, as an auto request does, running what the fixed mode runs. With `late` > 0 (the `<source>-late<N>`
+    modes) the request starts in plain decoding and moves to the source after `late` rounds, as auto moves to a
+    drafter it has not run for a while: that drafter's first round catches up on every row since."""
 
-    def __init__(self, mode: str, source: Any = None, cap: int = 0) -> None:
+    def __init__(self, mode: str, source: Any = None, cap: int = 0, late: int = 0) -> None:
         self.mode = mode
         self._source = source
         self._cap = cap
+        self._late = late
 
     def select(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Selection:
         if self._source is None:
             return Selection(name=PLAIN, source=None, switcher=_Stay())
-        return Selection(name=self._source.name, source=self._source, policy=FixedCap(self._cap), switcher=_Stay())
+        fixed = Selection(name=self._source.name, source=self._source, policy=FixedCap(self._cap), switcher=_Stay())
+        if not self._late:
+            return fixed
+        moved = SourceSwitched(old=PLAIN, new=self._source.name, reason=f"after {self._late} plain rounds")
+        return Selection(name=PLAIN, source=None, switcher=_LateSwitch(self._late, attrs.evolve(fixed, switched=moved)))
 
     def finished(self, selection: Selection, usage: Any) -> None:
         return None
+
+
+def _late(mode: str) -> tuple[str, int] | None:
+    """(source, N) of a `<source>-late<N>` mode, else None."""
+    kind, sep, n = mode.rpartition("-late")
+    return (kind, int(n)) if sep and kind and n.isdigit() and int(n) > 0 else None
 
 
 class _Clock:
@@ -770,8 +794,9 @@ def run_real(
     where = {"dspark": SHIPPED / "dspark", "dflash": SHIPPED / "dflash", **(drafters or {})}
     sources: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    wanted = {(_late(m) or (m.removesuffix("-stay"),))[0] for m in modes}
     for kind in ("lookup", "dspark", "dflash"):
-        if kind not in modes and "auto" not in modes:
+        if kind not in wanted and "auto" not in modes:
             continue
         try:
             if kind == "lookup":
@@ -786,7 +811,13 @@ def run_real(
     clock, telemetry = _Clock(), _NullTelemetry()
     watch = _StallWatch(telemetry)
     greedy = SamplingParams()
-    order = [m for m in modes if m in (PLAIN, PLAIN_CAPTURE, "auto") or m.removesuffix("-stay") in sources]
+    order = [
+        m
+        for m in modes
+        if m in (PLAIN, PLAIN_CAPTURE, "auto")
+        or m.removesuffix("-stay") in sources
+        or (_late(m) or ("",))[0] in sources
+    ]
     order.sort(key=lambda m: m != PLAIN)
     per_mode: dict[str, Any] = {}
     runs: list[BenchRun] = []
@@ -914,10 +945,12 @@ def run_real(
             entry["race_tok_s"] = dict(choice.rates)
             entry["race_winner"] = choice.mode
             log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
-        elif mode.endswith("-stay"):
-            src = sources[mode.removesuffix("-stay")]
+        elif mode.endswith("-stay") or _late(mode):
+            kind, late = _late(mode) or (mode.removesuffix("-stay"), 0)
+            src = sources[kind]
             cap = min(max_draft or src.max_block, src.max_block)
-            service = GenerationService(model, selector=_StaySelector(mode, src, cap), clock=clock, telemetry=telemetry)
+            selector = _StaySelector(mode, src, cap, late)
+            service = GenerationService(model, selector=selector, clock=clock, telemetry=telemetry)
         elif mode == PLAIN_CAPTURE:
             service = GenerationService(model, selector=_StaySelector(PLAIN_CAPTURE), clock=clock, telemetry=telemetry)
         else:

@@ -296,11 +296,11 @@ def test_sources_under_a_switcher_that_never_moves_decode_as_their_fixed_modes(
     # (dspark-stay), with features recorded and kept every round and a switcher asked after each, as in auto.
     out = tmp_path / "real.json"
     args = ["real", "--model", str(tiny_export["model"]), "--model-dtype", "float32", "--max-tokens", "8"]
-    args += ["--prompts", "2", "--modes", "baseline,baseline-capture,dspark,dspark-stay"]
+    args += ["--prompts", "2", "--modes", "baseline,baseline-capture,dspark,dspark-stay,dspark-late3"]
     assert bench.main([*args, "--dspark", str(tiny_export["dspark"]), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     modes = doc["device_bench"]["modes"]
-    assert list(modes) == ["baseline", "baseline-capture", "dspark", "dspark-stay"]
+    assert list(modes) == ["baseline", "baseline-capture", "dspark", "dspark-stay", "dspark-late3"]
     assert all("error" not in m for m in modes.values())
     capture = modes["baseline-capture"]
     assert all(capture["identical_to_plain"].values()) and all(v is None for v in capture["divergences"].values())
@@ -310,6 +310,12 @@ def test_sources_under_a_switcher_that_never_moves_decode_as_their_fixed_modes(
     assert all(modes["dspark-stay"]["identical_to_plain"].values())
     stay = {r["prompt_id"]: r["source_rounds"] for r in doc["runs"] if r["mode"] == "dspark-stay"}
     assert stay == {r["prompt_id"]: r["source_rounds"] for r in doc["runs"] if r["mode"] == "dspark"}
+    # dspark-late3: three plain rounds, then DSpark catches up on every row since (auto's move to an idle drafter).
+    late = modes["dspark-late3"]
+    assert all(late["identical_to_plain"].values())
+    for run in late["seen_once"]:
+        assert run["switches"] == ["3: baseline->dspark: after 3 plain rounds"], run["switches"]
+        assert [row[0] for row in run["trace"][:4]] == ["none", "none", "none", "dspark"], run["trace"]
 
 
 def test_a_divergence_is_located_and_read_as_a_near_tie_or_not(bench: ModuleType, tiny_export: dict[str, Path]) -> None:
