@@ -125,8 +125,16 @@ class _Candidate:
     source: DraftSource | None
     rate: float  # EWMA of observed decode tokens/s, seeded from the race
     race: float  # what the race measured (the fixed prior of seeded requests)
-    accept: float = 0.0  # EWMA of tokens per round over earlier requests (0 = never measured)
-    drafted: float = 0.0  # and of drafts per round
+    accept: float = 0.0  # tokens per round over earlier requests (0 = never measured)
+    drafted: float = 0.0  # and drafts per round
+    evidence: float = 0.0  # the rounds `accept` rests on (at most MAX_EVIDENCE: it keeps moving)
+
+
+# What a prior of tokens per round weighs, in rounds: the race's, when a drafter is first measured (about one
+# short request: a few rounds on a hard opening must not overturn what every race prompt said), and at most
+# (so a long run of requests still moves it).
+RACE_EVIDENCE = 16
+MAX_EVIDENCE = 64
 
 
 class AutoSelector:
@@ -277,6 +285,18 @@ class AutoSelector:
         acceptance on hard prompts and then drafted 1-2 tokens a round on easy ones: a cap never drafted
         past never measures those positions again."""
         return self._factories[name]() if self._candidates[name].source is not None else None
+
+    def _seed_acceptance(self, name: str, drafted: float) -> None:
+        """Before a drafter's first measured request is folded in: the tokens per round its race rate implies
+        (the race rated it at its curves' seconds for its drafts a round), worth RACE_EVIDENCE rounds. A race
+        on the wall clock (no curves) says nothing this exact about tokens per round: nothing is seeded."""
+        cand = self._candidates[name]
+        curves = self._curves.get(name)
+        if cand.evidence > 0 or cand.accept > 0 or cand.source is None or cand.race <= 0 or curves is None:
+            return
+        cand.accept = cand.race * curves.round_seconds(round(drafted))
+        cand.drafted = drafted
+        cand.evidence = RACE_EVIDENCE
 
     def _fold(self, name: str, observed: float) -> None:
         cand = self._candidates[name]
@@ -442,25 +462,34 @@ class _RequestSwitcher:
         for name, rate in measured.items():
             owner._fold(name, rate)
         seen = self.arbiter.acceptance()
+        for name, (_, drafted, _) in seen.items():
+            owner._seed_acceptance(name, drafted)
         # How this prompt went for the drafters that ran on it, against their priors (lookup's replay says
         # how repetitive the text is, not how predictable: it does not count).
+        ran = {n: v for n, v in seen.items() if n not in self.arbiter.shadowed}
         ratios = [
-            tokens / owner._candidates[name].accept
-            for name, (tokens, _) in seen.items()
-            if name not in self.arbiter.shadowed and owner._candidates[name].accept > 0 and tokens > 0
+            tokens / owner._candidates[n].accept
+            for n, (tokens, _, _) in ran.items()
+            if tokens > 0 and owner._candidates[n].accept > 0
         ]
-        for name, (tokens, drafted) in seen.items():
+        for name, (tokens, drafted, rounds) in seen.items():
+            # Weighed by rounds: a three-round look on a hard opening moves a prior a little, a whole answer
+            # much (a per-request weight let the H200's first request, DSpark's 3 rounds at 1.2 tokens on a
+            # hard opening, set its prior for good: auto then ran DFlash where fixed DSpark was 1.4x faster).
             cand = owner._candidates[name]
-            fresh = cand.accept <= 0
-            cand.accept = tokens if fresh else cand.accept + owner._alpha * (tokens - cand.accept)
-            cand.drafted = drafted if fresh else cand.drafted + owner._alpha * (drafted - cand.drafted)
+            w = rounds / (cand.evidence + rounds)
+            cand.accept += w * (tokens - cand.accept)
+            cand.drafted += w * (drafted - cand.drafted)
+            cand.evidence = min(cand.evidence + rounds, MAX_EVIDENCE)
         if ratios:
             # A drafter that did not run here moves as the ones that did: else a drafter looked at only on
             # chat would keep a chat-sized prior against one measured only on code, and never run on code.
             factor = statistics.geometric_mean(ratios)
+            rounds = sum(r for _, _, r in ran.values())
             for name, cand in owner._candidates.items():
                 if name not in seen and cand.source is not None and cand.accept > 0:
-                    cand.accept += owner._alpha * (cand.accept * factor - cand.accept)
+                    w = rounds / (cand.evidence + rounds)
+                    cand.accept += w * (cand.accept * factor - cand.accept)
 
 
 @attrs.frozen

@@ -210,9 +210,10 @@ class ForecastArbiter:
             out[self.plain] = self.plain_rate()
         return out
 
-    def acceptance(self) -> dict[str, tuple[float, float]]:
-        """(tokens, drafts) per round of every drafting candidate measured on this prompt (run or replayed)."""
-        return {n: (e.tokens, e.drafted) for n, e in self._est.items() if e.rounds}
+    def acceptance(self) -> dict[str, tuple[float, float, int]]:
+        """(tokens, drafts) per round of every drafting candidate measured on this prompt (run or replayed), and
+        how many rounds that rests on."""
+        return {n: (e.tokens, e.drafted, e.rounds) for n, e in self._est.items() if e.rounds}
 
     def best(self, exclude: str | None = None) -> str:
         """The candidate with the best forecast now, `exclude` aside (plain decoding wins ties: it needs no

@@ -268,3 +268,39 @@ def test_a_drafter_not_run_on_a_prompt_keeps_pace_with_the_one_that_ran() -> Non
     priors = selector.priors()
     assert priors["b"] > 3 * priors[PLAIN]
     assert priors["a"] > 0.8 * priors["b"]  # without the co-move: a stays at the hard prompt's 1 token a round
+
+
+def test_a_few_rounds_on_a_hard_opening_do_not_overturn_the_race() -> None:
+    """The race rated "a" above "b"; the first request opens hard, "a" commits one token in each of its first
+    rounds, then "b" runs the rest at its usual rate. A prior of tokens per round weighs the rounds behind it,
+    so "a" keeps most of what the race said and the next request starts on it again (the H200's first request
+    of 2026-12-05: DSpark's three rounds at 1.2 tokens set its prior for good, and auto ran DFlash on math
+    where fixed DSpark was 1.4x faster)."""
+    seconds = 0.01
+    curves = {n: CostCurves(verify_s={1: seconds, 8: seconds}, draft_s={1: 1e-4, 7: 1e-4}) for n in ("a", "b")}
+    curves[PLAIN] = CostCurves(verify_s={1: seconds})
+    policies = {n: cap_policy_factory(7, None, 7) for n in ("a", "b")}
+    race = {"a": 300.0, "b": 250.0, PLAIN: 100.0}
+    selector = AutoSelector({"a": _Named("a"), "b": _Named("b"), PLAIN: None}, policies, race, curves=curves)
+    selection = selector.select(PROMPT)
+    assert selection.name == "a"
+    switcher = selection.switcher
+    assert switcher is not None
+    history = [*PROMPT, 0]
+    for name, tokens in [("a", 1)] * 4 + [("b", 2), ("b", 3)] * 15:
+        history.extend([1] * tokens)
+        switcher.after_round(name, tokens, seconds, drafted=7, history=history)
+    selector.finished(selection, Usage(prompt_tokens=len(PROMPT), generated_tokens=len(history), source="b"))
+    priors = selector.priors()
+    assert priors["a"] > priors["b"] > 2 * priors[PLAIN]
+    assert priors["a"] > 0.8 * race["a"]  # before: its 3 measured rounds alone, 1 token a round (~100 tok/s)
+    assert selector.select(PROMPT).name == "a"
+    # A whole answer does move it: "a" at one token a round for 60 rounds is then known slow.
+    selection = selector.select(PROMPT)
+    switcher = selection.switcher
+    assert switcher is not None
+    for _ in range(60):
+        history.append(1)
+        switcher.after_round("a", 1, seconds, drafted=7, history=history)
+    selector.finished(selection, Usage(prompt_tokens=len(PROMPT), generated_tokens=len(history), source="a"))
+    assert selector.priors()["a"] < 0.55 * race["a"]  # 59 measured rounds against 19 behind the prior
