@@ -15,7 +15,7 @@ on the device (all drafts kept, so every round has the same shape as a fully acc
   forward replayed as one compiled graph, adapters/mlx/compiled_forward.py; rowwise = compiled, with every
   projection of a wide forward run as a batch of one-row products (`row_products`), the matrix-vector kernel a
   plain step uses instead of a cuBLAS GEMM: the H200 spent ~8 ms of dispatch on 8 rows against ~2.3 ms on one;
-  skinny = compiled, with projections of 2..16 rows through the engine's few-row CUDA kernel, `row_products.skinny`:
+  skinny = compiled, with projections of 2..16 rows through the few-row CUDA kernel (`row_products.skinny`, opt-in):
   the weight read once for every row, one launch and no cuBLASLt call)
   repeat_ms    the same rounds again over the same cache lengths (every shape seen once): what a per-shape cost
                (kernel JIT, graph instantiation) adds is synced_ms - repeat_ms

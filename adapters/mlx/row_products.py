@@ -16,12 +16,13 @@ projection row products at widths 4-16: 30 layers of SmolLM2-135M (weights <= 1.
 from 10.7 to 7.3 ms a round, while a Qwen3-4B shape (5-50 MB weights) went from 9.3-11.2 to 11.4-27.4 ms and a
 32B shape's oracle speedup fell from 4.2x to 1.4x; the budget keeps the first and leaves the others' GEMMs.
 
-On CUDA a projection of 2..`SKINNY_ROWS` rows runs one kernel of our own instead (`skinny`, through
-`mx.fast.cuda_kernel`): a warp per output column reads its weight row once, 16 bytes a lane, and keeps every
-row's sum in registers (fp32), so the weight is read once for all rows, as a GEMM reads it, at the host cost of
-one kernel launch. Each row's sum runs in the same order whatever the number of rows. `install` checks the kernel
-against MLX's product once per weight dtype before any model uses it and falls back to the row products above
-if it fails to compile or disagrees.
+With `MLX_DSPARK_SKINNY=on` a projection of 2..`SKINNY_ROWS` rows runs one kernel of our own instead (`skinny`,
+through `mx.fast.cuda_kernel`): a warp per output column reads its weight row once, 16 bytes a lane, and keeps
+every row's sum in registers (fp32), at the host cost of one launch. `install` checks it against MLX's product
+once per weight dtype and falls back to the row products above if it fails to compile or disagrees. It is off
+by default because it has not won yet: it compiled and agreed on the H200 (bf16), tied row products on SmolLM2
+(DSpark rounds 7.0 against 7.2 ms) and lost to cuBLAS on a Qwen3-4B shape on the H100 (8-row rounds 12.6-13.8
+against 9.4-9.8 ms): every warp re-reads all x rows from L2, which a shared-memory copy of x would avoid.
 
 Metal and the CPU have no such per-call cost (and the CPU's BLAS is faster on one GEMM), so "auto" installs this
 on CUDA only. `install` changes the class of a model's own `nn.Linear` modules, so it is per model, not a
@@ -123,8 +124,16 @@ _skinny_ok: dict[mx.Dtype, bool] = {}  # weight dtype -> the kernel passed its c
 
 
 def skinny_enabled() -> bool:
-    """Whether few-row projections may run the kernel in this process (CUDA; `SKINNY_ENV`)."""
-    return cuda_switch(SKINNY_ENV)
+    """Whether few-row projections may run the kernel in this process: `SKINNY_ENV` "on" (on CUDA); "auto" and
+    "off" keep it off until it measurably wins (see the module docstring).
+
+    Raises:
+        ValueError: another value.
+    """
+    mode = os.environ.get(SKINNY_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{SKINNY_ENV} must be auto, on or off, got {mode!r}")
+    return mode == "on"
 
 
 def _skinny_fits(weight: mx.array, x: mx.array) -> bool:

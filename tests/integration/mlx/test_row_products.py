@@ -39,6 +39,16 @@ def rows_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield built
 
 
+def test_the_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(row_products.SKINNY_ENV, "auto")
+    assert not row_products.skinny_enabled()  # it has not measurably won yet (the module docstring)
+    monkeypatch.setenv(row_products.SKINNY_ENV, "ON")
+    assert row_products.skinny_enabled()
+    monkeypatch.setenv(row_products.SKINNY_ENV, "sometimes")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        row_products.skinny_enabled()
+
+
 def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(row_products.ENV, "on")
     assert row_products.enabled()
