@@ -522,10 +522,23 @@ class _NullTelemetry:
 class _StallWatch:
     """Samples the bench thread's Python stack while one round has run past `after_s`: where the host is during a
     stall (the H100's one 23 s DFlash round of 2026-12-05 had no explanation), not a guess. A daemon thread, on
-    only between `arm` and `disarm`; at most `keep` samples a request."""
+    only between `arm` and `disarm`; at most `per_round` samples a round and `keep` a request."""
 
-    def __init__(self, telemetry: _NullTelemetry, after_s: float = 1.0, every_s: float = 0.25, keep: int = 24) -> None:
-        self._telemetry, self._after, self._every, self._keep = telemetry, after_s, every_s, keep
+    def __init__(
+        self,
+        telemetry: _NullTelemetry,
+        after_s: float = 1.0,
+        every_s: float = 0.25,
+        keep: int = 48,
+        per_round: int = 12,
+    ) -> None:
+        self._telemetry, self._after, self._every, self._keep, self._per_round = (
+            telemetry,
+            after_s,
+            every_s,
+            keep,
+            per_round,
+        )
         self._thread = threading.get_ident()
         self._since: float | None = None
         self.samples: list[dict[str, Any]] = []
@@ -549,12 +562,11 @@ class _StallWatch:
             if now() - start < self._after:
                 continue
             frame = sys._current_frames().get(self._thread)
-            if frame is None:
-                continue
+            here = len(self._telemetry.rounds)
+            if frame is None or sum(x["round"] == here for x in self.samples) >= self._per_round:
+                continue  # a long stall keeps room for the next one
             stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
-            self.samples.append(
-                {"round": len(self._telemetry.rounds), "waited_ms": round((now() - start) * 1e3), "stack": stack}
-            )
+            self.samples.append({"round": here, "waited_ms": round((now() - start) * 1e3), "stack": stack})
 
 
 def divergence_report(
@@ -664,6 +676,14 @@ class _StaySelector:
             return fixed
         moved = SourceSwitched(old=PLAIN, new=self._source.name, reason=f"after {self._late} plain rounds")
         return Selection(name=PLAIN, source=None, switcher=_LateSwitch(self._late, attrs.evolve(fixed, switched=moved)))
+
+    def sources(self) -> dict[str, Any]:
+        """What the server's warm-up runs for this mode (`warmup.sources_of`): its source, and plain decoding
+        where the mode runs plain steps."""
+        out: dict[str, Any] = {} if self._source is None else {self._source.name: self._source}
+        if self._source is None or self._late:
+            out[PLAIN] = None
+        return out
 
     def finished(self, selection: Selection, usage: Any) -> None:
         return None

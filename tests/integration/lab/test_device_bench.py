@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import time
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -421,3 +422,20 @@ def test_a_stalled_round_is_sampled_where_the_host_is(bench: ModuleType) -> None
     time.sleep(0.05)
     watch.disarm()
     assert watch.samples == []
+    # A long stall leaves room for the next round's: at most `per_round` samples each.
+    telemetry.ends.clear()
+    watch = bench._StallWatch(telemetry, after_s=0.05, every_s=0.01, per_round=3)
+    watch.arm()
+    a_slow_place()
+    telemetry.rounds.append(object())
+    telemetry.ends.append(bench.now())
+    a_slow_place()
+    watch.disarm()
+    assert [s["round"] for s in watch.samples] == [0, 0, 0, 1, 1, 1]
+
+
+def test_stay_and_late_modes_warm_up_what_they_run(bench: ModuleType) -> None:
+    src = types.SimpleNamespace(name="dspark")
+    assert bench._StaySelector("dspark-stay", src, 7).sources() == {"dspark": src}
+    assert bench._StaySelector("dspark-late3", src, 7, 3).sources() == {"dspark": src, "baseline": None}
+    assert bench._StaySelector("baseline-capture").sources() == {"baseline": None}
