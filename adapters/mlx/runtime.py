@@ -1,4 +1,5 @@
-"""The `Runtime` port over MLX: the optimized CPU BLAS swapped in before `mlx.core` loads, and the device report.
+"""The `Runtime` port over MLX: the optimized CPU BLAS swapped in before `mlx.core` loads, a lasting CUDA kernel
+cache, and the device report.
 
 Nothing here imports MLX at module level: `prepare` must run before the first `import mlx.core`.
 """
@@ -13,8 +14,11 @@ class MlxRuntime:
 
     def prepare(self) -> str:
         from mlx_dspark.adapters.mlx.blas import ensure_fast_blas
+        from mlx_dspark.adapters.mlx.kernel_cache import ensure_persistent
 
-        return ensure_fast_blas().name
+        blas = ensure_fast_blas().name
+        ensure_persistent()  # CUDA: compiled kernels kept across processes and reboots
+        return blas
 
     def report(self) -> dict[str, Any]:
         from mlx_dspark.adapters.mlx.device import describe_runtime
