@@ -34,7 +34,15 @@ class MlxRuntime:
 
         machine = f"{platform.system()} {platform.machine()} {platform.processor()} cpus={os.cpu_count()}"
         version = str(getattr(mx, "__version__", "unknown"))
-        return {"device": f"{mx.default_device()} on {machine}", "mlx_version": version}
+        device = f"{mx.default_device()} on {machine}"
+        if mx.default_device().type == mx.cpu:
+            # The CPU's costs are the BLAS's: a new shim (its file is named by its source) measures anew.
+            from mlx_dspark.adapters.mlx.blas import blas_status
+
+            status = blas_status()
+            if status is not None:
+                device += f" blas={status.name}:{os.path.basename(status.detail)}"
+        return {"device": device, "mlx_version": version}
 
     def compiles_kernels(self) -> bool:
         """Metal and CUDA build kernels on first use (JIT, pipeline states); MLX's CPU backend does not."""

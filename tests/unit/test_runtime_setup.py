@@ -1,5 +1,6 @@
-"""The runtime keeps MLX CUDA's compiled kernels in a lasting folder per MLX version and GPU, unless the user
-chose one; elsewhere it leaves everything as it is."""
+"""What the MLX runtime sets up for a process: MLX CUDA's compiled kernels in a lasting folder per MLX version and
+GPU (unless the user chose one; elsewhere nothing), and calibrations keyed by what measured them (on the CPU, the
+BLAS)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,18 @@ def test_the_real_probe_says_none_off_cuda() -> None:
     if mx.default_device().type == mx.gpu and mx.cuda.is_available():
         pytest.skip("MLX runs on CUDA here")
     assert kernel_cache._cuda_identity() is None
+
+
+def test_cpu_calibrations_are_keyed_by_the_blas_they_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.core as mx
+
+    from mlx_dspark.adapters.mlx import blas
+    from mlx_dspark.adapters.mlx.runtime import MlxRuntime
+
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("a GPU runs no BLAS of ours")
+    monkeypatch.setattr(blas, "_status", blas.BlasStatus("openblas-shim", "/cache/libsgemm_shim-aaaa.so"))
+    old = MlxRuntime().calibration_environment()["device"]
+    monkeypatch.setattr(blas, "_status", blas.BlasStatus("openblas-shim", "/cache/libsgemm_shim-bbbb.so"))
+    new = MlxRuntime().calibration_environment()["device"]
+    assert old != new and new.endswith("blas=openblas-shim:libsgemm_shim-bbbb.so")
