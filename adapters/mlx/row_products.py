@@ -20,9 +20,10 @@ With `MLX_DSPARK_SKINNY=on` a projection of 2..`SKINNY_ROWS` rows runs one kerne
 through `mx.fast.cuda_kernel`): a warp per output column reads its weight row once, 16 bytes a lane, and keeps
 every row's sum in registers (fp32), at the host cost of one launch. `install` checks it against MLX's product
 once per weight dtype and falls back to the row products above if it fails to compile or disagrees. It is off
-by default because it has not won yet: it compiled and agreed on the H200 (bf16), tied row products on SmolLM2
-(DSpark rounds 7.0 against 7.2 ms) and lost to cuBLAS on a Qwen3-4B shape on the H100 (8-row rounds 12.6-13.8
-against 9.4-9.8 ms): every warp re-reads all x rows from L2, which a shared-memory copy of x would avoid.
+by default because it has not won yet: its first version compiled and agreed on the H200 (bf16), tied row
+products on SmolLM2 (DSpark rounds 7.0 against 7.2 ms) and lost to cuBLAS on a Qwen3-4B shape on the H100
+(8-row rounds 12.6-13.8 against 9.4-9.8 ms), every warp re-reading all of x from L2. This version stages x in
+shared memory (not yet run on a device).
 
 Metal and the CPU have no such per-call cost (and the CPU's BLAS is faster on one GEMM), so "auto" installs this
 on CUDA only. `install` changes the class of a model's own `nn.Linear` modules, so it is per model, not a
@@ -76,47 +77,75 @@ def project(module: nn.Linear, x: mx.array) -> mx.array:
     return y + module["bias"] if "bias" in module else y
 
 
-# The few-row kernel: y[m, n] = sum_k x[m, k] w[n, k] for x [M, K], w [N, K]. One warp per output column n
-# (grid: 32 threads a column); lane l reads 16 bytes of w's row at k = l·VEC, l·VEC + 32·VEC, ... (coalesced) and
-# the same columns of every x row, keeping M fp32 sums; a butterfly reduction, then lane m writes row m. M is
-# read at run time (up to ROWS), so one kernel per dtype serves every width: nothing compiles mid-request.
-_SKINNY_SOURCE = """
+# The few-row kernel: y[m, n] = sum_k x[m, k] w[n, k] for x [M, K], w [N, K]. A block of WARPS warps serves
+# WARPS * COLS output columns, COLS a warp. x is staged in shared memory a tile of TK columns at a time, so the
+# block's warps read it from there (the first version had every warp re-read all of x from L2, which on a 4B
+# shape cost more than cuBLAS's GEMM). Within a tile, lane l reads 16 bytes of each of its weight rows at
+# k = l·VEC, l·VEC + 32·VEC, ... (coalesced) and keeps M fp32 sums a column; a butterfly reduction at the end,
+# then lane m writes row m. Each (row, column) is summed in the same order whatever M is; M is read at run time
+# (up to ROWS), so one kernel per dtype serves every width and nothing compiles mid-request.
+_WARPS, _COLS, _TK = 8, 2, 256
+_SKINNY_SOURCE = f"""
     constexpr int VEC = 16 / sizeof(T);
+    constexpr int WARPS = {_WARPS}, COLS = {_COLS}, TK = {_TK};
+    __shared__ __align__(16) unsigned char xs_bytes[ROWS * TK * sizeof(T)];  // raw: T may be a class type
+    T* xs = reinterpret_cast<T*>(xs_bytes);
     const int M = x_shape[0];
     const int N = w_shape[0];
     const int K = w_shape[1];
     const int lane = threadIdx.x & 31;
-    const long n = (long(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    if (n >= N) return;
-    const T* wr = w + n * K;
-    float acc[ROWS];
+    const long n0 = (long(blockIdx.x) * WARPS + (threadIdx.x >> 5)) * COLS;
+    float acc[COLS][ROWS];
     #pragma unroll
-    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
-    for (int k = lane * VEC; k < K; k += 32 * VEC) {
-        const uint4 wv = *reinterpret_cast<const uint4*>(wr + k);
-        const T* wp = reinterpret_cast<const T*>(&wv);
-        float wf[VEC];
+    for (int c = 0; c < COLS; ++c)
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) wf[j] = static_cast<float>(wp[j]);
+        for (int m = 0; m < ROWS; ++m) acc[c][m] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += TK) {{
+        const int tk = min(TK, K - k0);
+        const int per_row = tk / VEC;
+        for (int i = threadIdx.x; i < M * per_row; i += blockDim.x) {{
+            const int m = i / per_row, v = i - m * per_row;
+            *reinterpret_cast<uint4*>(&xs[m * TK + v * VEC]) =
+                *reinterpret_cast<const uint4*>(x + long(m) * K + k0 + v * VEC);
+        }}
+        __syncthreads();
         #pragma unroll
-        for (int m = 0; m < ROWS; ++m) {
+        for (int c = 0; c < COLS; ++c) {{
+            const long n = n0 + c;
+            if (n >= N) break;
+            const T* wr = w + n * K + k0;
+            for (int k = lane * VEC; k < tk; k += 32 * VEC) {{
+                const uint4 wv = *reinterpret_cast<const uint4*>(wr + k);
+                const T* wp = reinterpret_cast<const T*>(&wv);
+                float wf[VEC];
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) wf[j] = static_cast<float>(wp[j]);
+                #pragma unroll
+                for (int m = 0; m < ROWS; ++m) {{
+                    if (m >= M) break;
+                    const uint4 xv = *reinterpret_cast<const uint4*>(&xs[m * TK + k]);
+                    const T* xp = reinterpret_cast<const T*>(&xv);
+                    float s = 0.0f;
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) s += wf[j] * static_cast<float>(xp[j]);
+                    acc[c][m] += s;
+                }}
+            }}
+        }}
+        __syncthreads();
+    }}
+    #pragma unroll
+    for (int c = 0; c < COLS; ++c) {{
+        const long n = n0 + c;
+        #pragma unroll
+        for (int m = 0; m < ROWS; ++m) {{
             if (m >= M) break;
-            const uint4 xv = *reinterpret_cast<const uint4*>(x + long(m) * K + k);
-            const T* xp = reinterpret_cast<const T*>(&xv);
-            float s = 0.0f;
+            float v = acc[c][m];
             #pragma unroll
-            for (int j = 0; j < VEC; ++j) s += wf[j] * static_cast<float>(xp[j]);
-            acc[m] += s;
-        }
-    }
-    #pragma unroll
-    for (int m = 0; m < ROWS; ++m) {
-        if (m >= M) break;
-        float v = acc[m];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == m) y[long(m) * N + n] = static_cast<T>(v);
-    }
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == m && n < N) y[long(m) * N + n] = static_cast<T>(v);
+        }}
+    }}
 """
 _SKINNY_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -158,8 +187,8 @@ def skinny(weight: mx.array, x: mx.array) -> mx.array:
     (y,) = _kernel()(
         inputs=[x.reshape(rows, k), weight],
         template=[("T", weight.dtype), ("ROWS", SKINNY_ROWS)],
-        grid=(n * 32, 1, 1),
-        threadgroup=(256, 1, 1),
+        grid=(-(-n // (_WARPS * _COLS)) * 32 * _WARPS, 1, 1),  # threads: a block per WARPS * COLS columns
+        threadgroup=(32 * _WARPS, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[weight.dtype],
     )
