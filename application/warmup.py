@@ -6,6 +6,11 @@ process paid all of it (measured on the H200: 4.4 tok/s against 168 warm, DSpark
 requests per draft source at every cap, greedy and seeded, before the engine reports ready, so a user's first
 request runs warm. On the CPU backend nothing is compiled on first use and the runtime says so: `auto` skips it.
 
+Auto mode also comes back to drafters it left many rounds ago, whose first round then catches up on every row
+since at once; on the GPUs measured, a process's first such round stalled for 20-90 s inside its dispatch (where
+MLX compiles kernels) while warmed per-cap rounds did not. So auto's warm-up adds, per feature-reading drafter, one
+request that decodes plainly for `CATCH_UP_ROUNDS` rounds and then hands over to the drafter.
+
 A warm-up request goes through its own GenerationService over the same target and the mode's source objects,
 with no telemetry, a fixed cap and no prefix cache, so it changes nothing a later request sees: no cached
 prefix, no learned rate of auto mode, no calibration. The target's live rows it leaves behind are reset by the
@@ -25,7 +30,8 @@ from mlx_dspark.application.engine import NoTelemetry
 from mlx_dspark.application.generation import GenerationRequest, GenerationService
 from mlx_dspark.application.settings import WARMUP_MODES
 from mlx_dspark.domain.costmodel.draft_cap import CapPolicy, FixedCap
-from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector
+from mlx_dspark.domain.drafting.selection import PLAIN, FixedSelector, Selection
+from mlx_dspark.domain.events import SourceSwitched, Usage
 from mlx_dspark.domain.ports import DraftSource
 from mlx_dspark.domain.tokens import SamplingParams
 
@@ -33,6 +39,8 @@ _log = structlog.get_logger("mlx_dspark.engine")
 _PROMPT = 48  # tokens: past the first prefill chunk shapes of a short chat turn, cheap on any device
 _SEED = 1234
 MAX_CAP = 16  # the largest cap warmed (each source's own block at most): DFlash's 16-token block drafts 15
+CATCH_UP_ROUNDS = 48  # plain rounds before a drafter takes over (the H200 stalled on a first catch-up after 40)
+CATCH_UP = "catch-up"  # the cap field of a catch-up request in `WarmUp.covered`
 
 
 @attrs.frozen(kw_only=True)
@@ -40,7 +48,7 @@ class WarmUp:
     """What a warm-up ran: requests, the (source, cap) pairs covered, and its wall seconds."""
 
     requests: int
-    covered: tuple[tuple[str, int], ...]
+    covered: tuple[tuple[str, int | str], ...]
     seconds: float
 
 
@@ -87,7 +95,7 @@ def warm_up(generator: GenerationService, *, max_cap: int = MAX_CAP) -> WarmUp:
     start = time.perf_counter()
     model = generator.model
     prompt = _prompt(model.target.vocab_size)
-    covered: dict[tuple[str, int], None] = {}  # in order, each once (the seeded request repeats the top cap)
+    covered: dict[tuple[str, int | str], None] = {}  # in order, each once (the seeded request repeats the top cap)
     count = 0
     for name, source in sources_of(generator).items():
         for cap, sampling in _requests(source, max_cap):
@@ -113,7 +121,61 @@ def warm_up(generator: GenerationService, *, max_cap: int = MAX_CAP) -> WarmUp:
             )
             count += 1
             covered[(name, cap)] = None
+    named = sources_of(generator)
+    if len(named) > 1:  # auto: a drafter it comes back to catches up on many rows in one round
+        for name, source in named.items():
+            if source is None or not source.uses_features:
+                continue
+            top = max(1, min(max_cap, source.max_block))
+            catch_up = GenerationService(
+                model, clock=generator.clock, telemetry=NoTelemetry(), selector=_CatchUp(name, source, top)
+            )
+            catch_up.generate(
+                GenerationRequest(
+                    prompt=prompt,
+                    max_tokens=CATCH_UP_ROUNDS + 2 * (top + 1),  # the plain rounds, then two of the drafter's
+                    chat_template=False,
+                    prefix_cache=True,
+                    request_id=f"warmup-{name}-{CATCH_UP}",
+                )
+            )
+            count += 1
+            covered[(name, CATCH_UP)] = None
     return WarmUp(requests=count, covered=tuple(covered), seconds=time.perf_counter() - start)
+
+
+class SwitchAfter:
+    """A SourceSwitcher that moves the request once, after `rounds` rounds."""
+
+    def __init__(self, rounds: int, then: Selection) -> None:
+        self._left, self._then = rounds, then
+
+    def after_round(self, name: str, committed: int, seconds: float, **_: object) -> Selection | None:
+        self._left -= 1
+        return self._then if self._left == 0 else None
+
+
+@attrs.frozen
+class _CatchUp:
+    """The selector of one warm-up request: plain decoding, then `source` at `cap` after CATCH_UP_ROUNDS rounds
+    (the request records features from the start, as an auto request does, so the drafter's first round takes
+    them all)."""
+
+    name: str
+    source: DraftSource
+    cap: int
+
+    @property
+    def mode(self) -> str:
+        return "auto"
+
+    def select(self, prompt: object, sampling: SamplingParams | None = None) -> Selection:
+        moved = SourceSwitched(old=PLAIN, new=self.name, reason="warm-up: a drafter catching up")
+        then = Selection(name=self.name, source=self.source, policy=FixedCap(self.cap), switched=moved)
+        return Selection(name=PLAIN, source=None, switcher=SwitchAfter(CATCH_UP_ROUNDS, then))
+
+    def finished(self, selection: Selection, usage: Usage) -> None:
+        return None
 
 
 class WarmingServe:

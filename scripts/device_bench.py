@@ -121,7 +121,7 @@ from mlx_dspark.application.lab.bench import (
     summarize,
     synthetic_prompt,
 )
-from mlx_dspark.application.warmup import warm_up
+from mlx_dspark.application.warmup import SwitchAfter, warm_up
 from mlx_dspark.domain.costmodel.draft_cap import FixedCap
 from mlx_dspark.domain.drafting.block import EMPTY_BLOCK, DraftBlock, DraftContext
 from mlx_dspark.domain.drafting.lookup import LookupDraftSource
@@ -644,17 +644,6 @@ class _Stay:
         return None
 
 
-class _LateSwitch:
-    """A SourceSwitcher that moves once, after `rounds` rounds, to `then` (the `<source>-late<N>` modes)."""
-
-    def __init__(self, rounds: int, then: Selection) -> None:
-        self._left, self._then = rounds, then
-
-    def after_round(self, name: str, committed: int, seconds: float, **_: Any) -> Selection | None:
-        self._left -= 1
-        return self._then if self._left == 0 else None
-
-
 class _StaySelector:
     """A mode under `_Stay`: plain decoding (the PLAIN_CAPTURE mode) or a fixed draft source at a fixed cap (the
     `<source>-stay` modes). Its request records and keeps every round's features and asks a switcher after each
@@ -675,7 +664,7 @@ class _StaySelector:
         if not self._late:
             return fixed
         moved = SourceSwitched(old=PLAIN, new=self._source.name, reason=f"after {self._late} plain rounds")
-        return Selection(name=PLAIN, source=None, switcher=_LateSwitch(self._late, attrs.evolve(fixed, switched=moved)))
+        return Selection(name=PLAIN, source=None, switcher=SwitchAfter(self._late, attrs.evolve(fixed, switched=moved)))
 
     def sources(self) -> dict[str, Any]:
         """What the server's warm-up runs for this mode (`warmup.sources_of`): its source, and plain decoding

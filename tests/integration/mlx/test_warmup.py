@@ -120,3 +120,34 @@ def test_the_server_face_warms_on_the_runtime_s_word_unless_told() -> None:
         server = bootstrap.build_server(bootstrap.build(settings), settings)
         hook = server.engine._on_serve
         assert isinstance(hook, WarmingServe) and hook.enabled is expected
+
+
+def test_auto_also_warms_a_drafter_catching_up_on_many_rows_at_once() -> None:
+    from mlx_dspark.application.auto_mode import AutoSelector
+    from mlx_dspark.application.warmup import CATCH_UP, CATCH_UP_ROUNDS
+    from mlx_dspark.domain.drafting.selection import PLAIN
+
+    fixed = rig.service("dspark")
+    source: Any = fixed.selector.source  # type: ignore[attr-defined]
+    selector = AutoSelector(
+        {"dspark": source, PLAIN: None}, {"dspark": lambda: FixedCap(BLOCK)}, {"dspark": 10.0, PLAIN: 5.0}
+    )
+    auto = GenerationService(fixed.model, selector=selector, clock=FakeClock(), telemetry=RecordingTelemetrySink())
+    caught: list[int] = []
+    ingest = source.ingest
+
+    def spy(ctx: Any) -> None:
+        caught.append(0 if ctx.features is None else int(ctx.features.shape[-2]))
+        ingest(ctx)
+
+    source.ingest = spy
+    try:
+        done = warm_up(auto)
+    finally:
+        del source.ingest
+    assert ("dspark", CATCH_UP) in done.covered and (PLAIN, 0) in done.covered
+    assert done.requests == (source.max_block + 1) + 2 + 1  # dspark's caps and seeded, plain's two, one catch-up
+    # The catch-up request's first drafter round took every row decoded plainly before it, at once.
+    assert max(caught) >= CATCH_UP_ROUNDS
+    # A fixed mode has no drafter to come back to: no catch-up request.
+    assert all(cap != CATCH_UP for _, cap in warm_up(fixed).covered)
