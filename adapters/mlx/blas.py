@@ -44,7 +44,7 @@ extern void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *
 extern void scipy_cblas_sgemv(int, int, int, int, float, const float *, int, const float *, int, float, float *,
                               int);
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, FEW_ROWS = 16, MIN_K = 64 };
-#define PARALLEL_FLOATS 131072L /* weights below this run on one thread: a fork costs more than it saves */
+#define PARALLEL_FLOATS 65536L /* weight floats a thread: below two of these one thread runs (a fork costs more) */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
@@ -100,8 +100,11 @@ long mlx_dspark_few_rows = 0; /* products served by the kernel (read by the test
 static void few_rows(int m, int n, int k, const float *x, int lda, const float *w, int ldb, float *y, int ldc) {
   __atomic_fetch_add(&mlx_dspark_few_rows, 1, __ATOMIC_RELAXED);
 #ifdef _OPENMP
-  if ((long)n * k >= PARALLEL_FLOATS && omp_get_max_threads() > 1) {
-#pragma omp parallel
+  /* A thread per PARALLEL_FLOATS of weight at most: on a many-core host a small projection is not worth 64 forks. */
+  long want = (long)n * k / PARALLEL_FLOATS, cap = omp_get_max_threads();
+  int threads = (int)(want < cap ? want : cap);
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
     {
       int t = omp_get_thread_num(), nt = omp_get_num_threads();
       int per = ((n + nt - 1) / nt + 7) & ~7;
