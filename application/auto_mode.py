@@ -148,7 +148,8 @@ class AutoSelector:
     running from its prior scaled by how the running drafter does against its own. The request runs the
     best forecast, moving when another's beats the running source's estimate by the margin; the running
     source's cap policy (a MeasuredCap on the calibrated curves) may move it too. Between requests the
-    selector keeps each candidate's measured rate and tokens per round (EWMAs seeded with the race; a drafter
+    selector keeps each candidate's measured rate (an EWMA seeded with the race) and tokens per round (averages
+    weighed by the rounds behind them, a drafter's first seeded with what its race rate implies; a drafter
     that did not run on a prompt moves by the factor the ones that ran beat their own priors there); the
     next request's priors are those tokens per round at the cost book's seconds, and it starts on the best
     of them (one prompt's winner says little of the next). Cap policies are fresh per request, as in fixed
