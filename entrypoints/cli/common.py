@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
         "--confidence-threshold",
         type=float,
         help="stop a block early, in [0, 1): DSpark below this survival (default: never), a draft model after a "
-        "draft it gave less than this probability (default 0.4); 0 = never",
+        "draft it gave less than this probability (default 0.2); 0 = never",
     )
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
