@@ -80,10 +80,15 @@ def _requests(source: DraftSource | None, max_cap: int) -> Iterator[tuple[int, S
         yield 0, SamplingParams()
         yield 0, SamplingParams(temperature=0.8, top_p=0.95, seed=_SEED)
         return
-    top = max(1, min(max_cap, source.max_block))
+    top = _top_cap(source, max_cap)
     for cap in range(1, top + 1):
         yield cap, SamplingParams()
     yield top, SamplingParams(temperature=0.8, top_p=0.95, seed=_SEED)
+
+
+def _top_cap(source: DraftSource, max_cap: int) -> int:
+    """The largest cap warmed for `source`: its own block, `max_cap` at most."""
+    return max(1, min(max_cap, source.max_block))
 
 
 def _fixed(cap: int) -> Callable[[], CapPolicy]:
@@ -97,7 +102,8 @@ def warm_up(generator: GenerationService, *, max_cap: int = MAX_CAP) -> WarmUp:
     prompt = _prompt(model.target.vocab_size)
     covered: dict[tuple[str, int | str], None] = {}  # in order, each once (the seeded request repeats the top cap)
     count = 0
-    for name, source in sources_of(generator).items():
+    named = sources_of(generator)
+    for name, source in named.items():
         for cap, sampling in _requests(source, max_cap):
             service = GenerationService(
                 model,
@@ -121,12 +127,11 @@ def warm_up(generator: GenerationService, *, max_cap: int = MAX_CAP) -> WarmUp:
             )
             count += 1
             covered[(name, cap)] = None
-    named = sources_of(generator)
     if len(named) > 1:  # auto: a drafter it comes back to catches up on many rows in one round
         for name, source in named.items():
             if source is None or not source.uses_features:
                 continue
-            top = max(1, min(max_cap, source.max_block))
+            top = _top_cap(source, max_cap)
             catch_up = GenerationService(
                 model, clock=generator.clock, telemetry=NoTelemetry(), selector=_CatchUp(name, source, top)
             )

@@ -532,13 +532,9 @@ class _StallWatch:
         keep: int = 48,
         per_round: int = 12,
     ) -> None:
-        self._telemetry, self._after, self._every, self._keep, self._per_round = (
-            telemetry,
-            after_s,
-            every_s,
-            keep,
-            per_round,
-        )
+        self._telemetry = telemetry
+        self._after, self._every = after_s, every_s
+        self._keep, self._per_round = keep, per_round
         self._thread = threading.get_ident()
         self._since: float | None = None
         self.samples: list[dict[str, Any]] = []
@@ -678,10 +674,13 @@ class _StaySelector:
         return None
 
 
-def _late(mode: str) -> tuple[str, int] | None:
-    """(source, N) of a `<source>-late<N>` mode, else None."""
+def _runs(mode: str) -> tuple[str, int]:
+    """(the source a mode runs, N): N for a `<source>-late<N>` mode, the source of a `<source>-stay` one, else the
+    mode itself with 0."""
     kind, sep, n = mode.rpartition("-late")
-    return (kind, int(n)) if sep and kind and n.isdigit() and int(n) > 0 else None
+    if sep and kind and n.isdigit() and int(n) > 0:
+        return kind, int(n)
+    return mode.removesuffix("-stay"), 0
 
 
 class _Clock:
@@ -803,7 +802,7 @@ def run_real(
     where = {"dspark": SHIPPED / "dspark", "dflash": SHIPPED / "dflash", **(drafters or {})}
     sources: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    wanted = {(_late(m) or (m.removesuffix("-stay"),))[0] for m in modes}
+    wanted = {_runs(m)[0] for m in modes}
     for kind in ("lookup", "dspark", "dflash"):
         if kind not in wanted and "auto" not in modes:
             continue
@@ -820,13 +819,7 @@ def run_real(
     clock, telemetry = _Clock(), _NullTelemetry()
     watch = _StallWatch(telemetry)
     greedy = SamplingParams()
-    order = [
-        m
-        for m in modes
-        if m in (PLAIN, PLAIN_CAPTURE, "auto")
-        or m.removesuffix("-stay") in sources
-        or (_late(m) or ("",))[0] in sources
-    ]
+    order = [m for m in modes if m in (PLAIN, PLAIN_CAPTURE, "auto") or _runs(m)[0] in sources]
     order.sort(key=lambda m: m != PLAIN)
     per_mode: dict[str, Any] = {}
     runs: list[BenchRun] = []
@@ -954,8 +947,8 @@ def run_real(
             entry["race_tok_s"] = dict(choice.rates)
             entry["race_winner"] = choice.mode
             log(f"auto: race {', '.join(f'{k} {v:.1f}' for k, v in choice.rates.items())} tok/s -> {choice.mode}")
-        elif mode.endswith("-stay") or _late(mode):
-            kind, late = _late(mode) or (mode.removesuffix("-stay"), 0)
+        elif mode.endswith("-stay") or _runs(mode)[1]:
+            kind, late = _runs(mode)
             src = sources[kind]
             cap = min(max_draft or src.max_block, src.max_block)
             selector = _StaySelector(mode, src, cap, late)

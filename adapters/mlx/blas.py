@@ -22,6 +22,8 @@ from pathlib import Path
 
 import attrs
 
+from mlx_dspark.adapters.hf.cache import cache_root
+
 SHIM_SOURCE = r"""
 /* Forwards cblas_sgemm to the OpenBLAS that the scipy-openblas32 wheel ships (symbols prefixed scipy_), with
    two faster paths for the few-row products of decoding (x @ W.T, W [n, k] row-major):
@@ -176,8 +178,7 @@ def _reference_blas_bundled() -> bool:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-dspark" / "blas"
+    return cache_root() / "blas"
 
 
 def _openblas32_lib() -> Path | None:

@@ -15,12 +15,13 @@ import os
 import re
 from pathlib import Path
 
+from mlx_dspark.adapters.hf.cache import cache_root
+
 ENV = "MLX_PTX_CACHE_DIR"
 
 
 def default_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-dspark" / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cuda_identity() -> str | None:

@@ -17,8 +17,8 @@ from 10.7 to 7.3 ms a round, while a Qwen3-4B shape (5-50 MB weights) went from 
 32B shape's oracle speedup fell from 4.2x to 1.4x; the budget keeps the first and leaves the others' GEMMs.
 
 With `MLX_DSPARK_SKINNY=on` a projection of 2..`SKINNY_ROWS` rows runs one kernel of our own instead (`skinny`,
-through `mx.fast.cuda_kernel`): a warp per output column reads its weight row once, 16 bytes a lane, and keeps
-every row's sum in registers (fp32), at the host cost of one launch. `install` checks it against MLX's product
+through `mx.fast.cuda_kernel`): each warp reads its weight rows once, 16 bytes a lane, and keeps every row's sum
+in registers (fp32), at the host cost of one launch. `install` checks it against MLX's product
 once per weight dtype and falls back to the row products above if it fails to compile or disagrees. It is off
 by default because it has not won yet: its first version compiled and agreed on the H200 (bf16), tied row
 products on SmolLM2 (DSpark rounds 7.0 against 7.2 ms) and lost to cuBLAS on a Qwen3-4B shape on the H100
@@ -43,7 +43,7 @@ from mlx import nn
 from mlx_dspark.adapters.mlx.device import cuda_switch
 
 ENV = "MLX_DSPARK_ROW_PRODUCTS"  # "auto" (CUDA only), "on", "off"
-SKINNY_ENV = "MLX_DSPARK_SKINNY"  # the few-row kernel: "auto" (CUDA only), "on", "off"
+SKINNY_ENV = "MLX_DSPARK_SKINNY"  # the few-row kernel: "on" (CUDA); "auto" and "off" keep it off
 SKINNY_ROWS = 16  # widest projection the few-row kernel runs (a verify of 15 drafts, a DFlash block)
 MAX_ROWS = 32  # widest projection run as row products: a verify or a draft block, not a prefill chunk
 # rows x weight bytes a projection may re-read (see the module docstring); MLX_DSPARK_ROW_BYTES sets it for a bench
@@ -232,10 +232,11 @@ def install(model: Any) -> int:
     if not enabled():
         return 0
     changed = 0
+    kernel = skinny_enabled()
     for _, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = RowLinear
             changed += 1
-        if type(module) is RowLinear and skinny_enabled():
+        if kernel and type(module) is RowLinear:
             check_skinny(module.weight.dtype)  # before any forward is traced (the check evaluates)
     return changed
