@@ -897,6 +897,7 @@ def run_real(
             "drafter_errors": errors,
             "key_buckets": _key_buckets(),
             "row_products": _row_products(),
+            "fused_projections": _fused(),
             "protocol": (
                 "per mode: first = one request at a prompt length no request of this process had; then the "
                 f"{len(seen_set)} held-out prompts twice (seen_once = the second pass, run prompt by prompt with "
@@ -1528,13 +1529,23 @@ def _row_products() -> bool | str:
         return repr(exc)
 
 
+def _fused() -> bool | str:
+    """Whether this run's targets fused q/k/v and gate/up (MLX_DSPARK_FUSE)."""
+    try:
+        from mlx_dspark.adapters.mlx import fused_projections
+
+        return fused_projections.enabled()
+    except (ImportError, ValueError) as exc:
+        return repr(exc)
+
+
 def real_table(doc: dict[str, Any]) -> str:
     bench = doc.get("device_bench", {})
     speed = {m["mode"]: m for m in doc.get("modes", [])}
     lines = [
         f"Real model `{doc.get('model')}` ({bench.get('dtype')}), {doc.get('settings', {}).get('max_tokens')} "
         f"tokens, cap {bench.get('max_draft') or 'measured'}, key buckets {bench.get('key_buckets')}, "
-        f"row products {bench.get('row_products')}; tok/s; "
+        f"row products {bench.get('row_products')}, fused projections {bench.get('fused_projections')}; tok/s; "
         "per-round ms: medians of the marked (and profiled) runs.",
         "",
         "| mode | first request | seen once (min-median-max) | warm | x plain (seen once) | accepted/round "

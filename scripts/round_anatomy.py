@@ -16,7 +16,9 @@ on the device (all drafts kept, so every round has the same shape as a fully acc
   projection of a wide forward run as a batch of one-row products (`row_products`), the matrix-vector kernel a
   plain step uses instead of a cuBLAS GEMM: the H200 spent ~8 ms of dispatch on 8 rows against ~2.3 ms on one;
   skinny = compiled, with projections of 2..16 rows through the few-row CUDA kernel (`row_products.skinny`, opt-in):
-  the weight read once for every row, one launch and no cuBLASLt call)
+  the weight read once for every row, one launch and no cuBLASLt call; fused, fused-<kind> = compiled or <kind>
+  with q/k/v and gate/up fused into one product each (`fused_projections`): the model is fused in place when the
+  first such kind runs, so name them last)
   repeat_ms    the same rounds again over the same cache lengths (every shape seen once): what a per-shape cost
                (kernel JIT, graph instantiation) adds is synced_ms - repeat_ms
   overlapped   the next round built and dispatched from the device-side verdict before this one is read (the
@@ -33,11 +35,13 @@ would give with overlap; `synced_x` the same without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,11 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dspark.adapters.mlx import caches, row_products  # importable once device_bench has mapped the checkout
+from mlx_dspark.adapters.mlx import (
+    caches,
+    fused_projections,
+    row_products,
+)  # importable once device_bench has mapped the checkout
 from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 
 PROMPT = 64  # cached rows before the first round
@@ -192,6 +200,19 @@ def table(name: str, result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def _fuse_on() -> Iterator[None]:
+    saved = os.environ.get(fused_projections.ENV)
+    os.environ[fused_projections.ENV] = "on"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(fused_projections.ENV)
+        else:
+            os.environ[fused_projections.ENV] = saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="", help="random-weight shapes (0.6b,4b,8b,32b,hybrid)")
@@ -217,7 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = build()
         vocab = int(model.args.vocab_size) if hasattr(model.args, "vocab_size") else 1000
         for kind in [c for c in args.caches.split(",") if c]:
-            result = anatomy(model, vocab, widths, args.rounds, kind)
+            if kind.startswith("fused"):
+                with _fuse_on():
+                    fused_projections.install(model)  # once: a fused model has no siblings left
+            base = "compiled" if kind == "fused" else kind.removeprefix("fused-")
+            result = anatomy(model, vocab, widths, args.rounds, base)
             doc["results"][f"{name}/{kind}"] = result
             sys.stdout.write(table(f"{name}, {kind} caches", result))
             sys.stdout.flush()

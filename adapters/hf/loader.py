@@ -337,7 +337,7 @@ class HfModelLoader:
         return LoadedModel(
             name=name,
             identity=ckpt.identity,
-            target=MlxTargetModel(ckpt.model),
+            target=MlxTargetModel(ckpt.model, fuse=not self._lazy),  # fusing reads every weight
             tokenizer=tokenizer,
             context_window=context_window(ckpt.config, ckpt.tokenizer),
             family=str(ckpt.config.get("model_type", "unknown")),

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from mlx_dspark.adapters.mlx import fused_projections
 from mlx_dspark.domain.costmodel.prefill import ForwardCost
 
 
@@ -31,10 +32,11 @@ def _linears(layer: Any) -> Iterable[tuple[str, Any, int, int]]:
 def forward_cost(layers: Iterable[Any]) -> ForwardCost:
     params = width = 0
     for layer in layers:
-        for name, _, inputs, out in _linears(layer):
+        for _, _, inputs, out in _linears(layer):
             params += inputs * out
+        for name, module in layer.named_modules():
             if name.endswith("q_proj"):
-                width += out
+                width += fused_projections.projection_width(module) or 0
     return ForwardCost(weight_params=params, attention_width=width)
 
 

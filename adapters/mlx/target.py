@@ -18,7 +18,15 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlx_dspark.adapters.mlx import cache_state, compiled_forward, cpu_kernels, forward_cost, key_buckets, row_products
+from mlx_dspark.adapters.mlx import (
+    cache_state,
+    compiled_forward,
+    cpu_kernels,
+    forward_cost,
+    fused_projections,
+    key_buckets,
+    row_products,
+)
 from mlx_dspark.adapters.mlx import caches as cache_ops
 from mlx_dspark.adapters.mlx.acceptance import accept_block, as_q_rows, greedy_accept, pick_token
 from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
@@ -196,6 +204,7 @@ class MlxTargetModel:
         prefill_chunk: int | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        fuse: bool = True,
     ) -> None:
         """Wrap `model` (switched to eval mode) and tap its decoder layers.
 
@@ -206,12 +215,16 @@ class MlxTargetModel:
                 device's measured best (`default_prefill_chunk`).
             kv_bits: quantize plain KV caches to this many bits (None: full precision).
             kv_group_size: quantization group size for `kv_bits`.
+            fuse: fuse sibling projections (`fused_projections`; it reads every weight, so not for a lazily
+                loaded model a tensor-parallel rank shards next).
         """
         prefill_chunk = prefill_chunk or default_prefill_chunk()
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self._model = model
         model.eval()
+        if fuse:
+            fused_projections.install(model)  # before row products: the fused projections take their path
         cpu_kernels.install(model)
         row_products.install(model)  # few-row projections as matrix-vector products where that pays (CUDA)
         self._layers = [layer for layer in model.layers if layer is not None]

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dspark.adapters.mlx import model_parts
+from mlx_dspark.adapters.mlx import fused_projections, model_parts
 
 HIDDEN = 64
 VOCAB = 128
@@ -26,6 +26,8 @@ def perturbed(model: Any, scale: float, *, seed: int = 0) -> Any:
     """A copy of the mlx-lm `model` with every weight scaled by (1 + scale * noise): a draft model of its
     vocabulary that agrees with it often, not always (0: the same function)."""
     twin = type(model)(model.args)
+    if any(n.endswith(("qkv_fused", "gate_up_fused")) for n, _ in model.named_modules()):
+        fused_projections.install(twin)  # a target's projections are fused once it is wrapped: same layout
     key = mx.random.key(seed)
     params = []
     for name, w in tree_flatten(model.parameters()):

@@ -22,9 +22,11 @@ def test_round_anatomy_reports_each_width_against_the_plain_step(tmp_path: Path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "ra.json"
-    assert module.main(["--shapes", "0.6b", "--tiny", "--rounds", "3", "--widths", "1,3", "--json", str(out)]) == 0
+    kinds = ["plain", "bucketed", "compiled", "rowwise", "fused", "fused-rowwise"]
+    args = ["--shapes", "0.6b", "--tiny", "--rounds", "3", "--widths", "1,3", "--caches", ",".join(kinds)]
+    assert module.main([*args, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert sorted(doc["results"]) == ["0.6b/bucketed", "0.6b/compiled", "0.6b/plain", "0.6b/rowwise"]
+    assert sorted(doc["results"]) == sorted(f"0.6b/{k}" for k in kinds)
     for result in doc["results"].values():
         assert result["plain_ms"] > 0 and [r["width"] for r in result["widths"]] == [1, 3]
         for r in result["widths"]:
