@@ -1,4 +1,5 @@
-"""One GPU slot of drafter distillation for the default model: data, training, profile, curve, decode bench.
+"""One GPU slot of drafter distillation for a target (the default model, or one exported from its GGUF with
+`--name`, e.g. Qwen2.5-Coder-1.5B): data, training, profile, curve, decode bench.
 
 Runs on a bare CUDA host with MLX (no registry, no Hugging Face download): the target comes as an exact
 export of the GGUF's quantized blocks (`export_target`, run on the CPU side), the tokenizer as its
@@ -49,12 +50,26 @@ def log(work: Path, *parts: Any) -> None:
 # target and tokenizer ---------------------------------------------------------------------------------------
 
 
-def export_target(gguf_path: str, out: str) -> None:
-    """CPU side: the GGUF's tensors as exact MLX affine blocks (uint32 + float16 scales/biases), config,
-    tokenizer.json and chat template; the smallest faithful form (~ the GGUF's size)."""
+# GGUF block types the export keeps as they are (exact MLX affine blocks or plain floats); any other (K-quants)
+# sends the GGUF file itself, converted on the device (`_gguf_weights`).
+_EXPORT_EXACT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+DEFAULT_TARGET = {"name": "default", "identity": "smollm2-135m-q4_1", "tokenizer_size": 49152, "mask_token_id": 16}
+
+
+def export_target(gguf_path: str, out: str, name: str | None = None) -> None:
+    """CPU side: the target in the smallest faithful form, config, tokenizer.json and chat template.
+
+    A GGUF of Q4_0/Q4_1/Q8_0/float tensors becomes exact MLX affine blocks (uint32 + float16 scales/biases,
+    ~ the GGUF's size: `target.safetensors`); one with K-quant blocks (Q4_K_M: Qwen2.5-Coder-1.5B) travels as the
+    GGUF itself (`target.gguf`), which `load_target` converts on the device with this project's converter (MLX's
+    own GGUF reader decodes Q4_K wrongly). `config.json` also names the target for training (`slot_target`)."""
+    import shutil
+    import types
+
     import mlx.core as mx
 
     from mlx_dspark.adapters.hf import gguf
+    from mlx_dspark.adapters.hf.tokenizer import HfTokenizer
 
     path = Path(gguf_path)
     reader = gguf.open_gguf(path)
@@ -62,39 +77,99 @@ def export_target(gguf_path: str, out: str) -> None:
     meta = gguf.metadata(reader)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     cfg = gguf.model_config(meta, arch, shapes, path)
-    weights, quant = gguf.convert_weights(reader, arch, cfg, path, keep_quantized=True)
     tok = gguf.build_tokenizer(meta, arch, path)
     cfg["eos_token_id"] = gguf.eos_token_ids(meta, tok)
-    cfg["quantized_modules"] = quant
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
-    arrays = {}
-    for k, v in weights.items():
-        a = mx.array(v)
-        if k.endswith((".scales", ".biases")):
-            a = a.astype(mx.float16)  # exact: GGUF stores them as float16
-        arrays[k] = a
-    mx.save_safetensors(str(o / "target.safetensors"), arrays)
+    if all(t.tensor_type.name in _EXPORT_EXACT for t in reader.tensors):
+        weights, quant = gguf.convert_weights(reader, arch, cfg, path, keep_quantized=True)
+        cfg["quantized_modules"] = quant
+        arrays = {}
+        for k, v in weights.items():
+            a = mx.array(v)
+            if k.endswith((".scales", ".biases")):
+                a = a.astype(mx.float16)  # exact: GGUF stores them as float16
+            arrays[k] = a
+        mx.save_safetensors(str(o / "target.safetensors"), arrays)
+    else:
+        shutil.copyfile(path, o / "target.gguf")
+    if name and name != "default":
+        ht = HfTokenizer(types.SimpleNamespace(_tokenizer=tok), cfg["eos_token_id"])  # as mlx-lm's wrapper holds it
+        cfg["slot_target"] = {
+            "name": name,
+            "identity": path.stem,  # the GGUF file it came from
+            "tokenizer_size": ht.vocab_size,
+            "special_ids": list(ht.special_ids),
+            "reserved_ids": list(ht.reserved_ids),
+        }
     (o / "config.json").write_text(json.dumps(cfg, indent=1))
     tok.backend_tokenizer.save(str(o / "tokenizer.json"))
     (o / "chat_template.jinja").write_text(tok.chat_template)
 
 
+def slot_target(model_dir: Path) -> dict[str, Any]:
+    """What training needs to know of the staged target: name, identity, tokenizer size, special and reserved ids,
+    the mask token (0: the training use case's choice) and its layer count. Exports written before targets
+    other than the default carry no `slot_target`: they are the default model."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    info = {"special_ids": [], "reserved_ids": [], "mask_token_id": 0, **(cfg.get("slot_target") or DEFAULT_TARGET)}
+    info["num_layers"] = int(cfg.get("num_hidden_layers", 30))
+    return info
+
+
+def _gguf_weights(model_dir: Path, dtype: str) -> dict[str, Any]:
+    """The staged GGUF's tensors under mlx-lm names in `dtype`, converted once by the project's converter (exact
+    float32 dequantization, then the cast) and kept beside it as `target-<dtype>.safetensors` for later calls."""
+    import mlx.core as mx
+
+    cached = model_dir / f"target-{dtype}.safetensors"
+    if not cached.is_file():
+        import types
+
+        try:
+            import yaml  # noqa: F401 - the gguf package imports it at load; only its metadata helpers use it
+        except ImportError:
+            sys.modules["yaml"] = types.ModuleType("yaml")
+        from mlx_dspark.adapters.hf import gguf
+
+        path = model_dir / "target.gguf"
+        reader = gguf.open_gguf(path)
+        arch = gguf.gguf_architecture(reader, path)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        weights, _ = gguf.convert_weights(reader, arch, cfg, path, keep_quantized=False)
+        arrays = {}
+        for k in list(weights):
+            arrays[k] = mx.array(weights.pop(k)).astype(getattr(mx, dtype))  # frees each float32 copy as it goes
+            mx.eval(arrays[k])
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp.safetensors")
+        mx.save_safetensors(str(tmp), arrays)
+        os.replace(tmp, cached)  # atomic: runs started side by side never read half a file
+        return arrays
+    loaded = mx.load(str(cached))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
 def load_target(model_dir: Path, dtype: str) -> Any:
-    """The mlx-lm model with every quantized block dequantized exactly, then cast to `dtype`."""
+    """The mlx-lm model of the export's family with every quantized block dequantized exactly, cast to `dtype`."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_unflatten
-    from mlx_lm.models import llama
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    # Either this script's export (`quantized_modules`, target.safetensors) or an mlx-lm checkpoint.
+    cfg.pop("slot_target", None)
+    # Either this script's export (`quantized_modules`, target.safetensors or target.gguf) or an mlx-lm checkpoint.
     quant = cfg.pop("quantized_modules", None)
     if quant is None:
         quant = {k: v for k, v in (cfg.pop("quantization", None) or {}).items() if isinstance(v, dict)}
-    args = llama.ModelArgs.from_dict(cfg)
-    model = llama.Model(args)
-    file = model_dir / "target.safetensors"
-    raw = mx.load(str(file if file.is_file() else model_dir / "model.safetensors"))
+    family = importlib.import_module(f"mlx_lm.models.{cfg.get('model_type', 'llama')}")
+    model = family.Model(family.ModelArgs.from_dict(cfg))
+    if (model_dir / "target.gguf").is_file():
+        raw = _gguf_weights(model_dir, dtype)
+    else:
+        file = model_dir / "target.safetensors"
+        raw = mx.load(str(file if file.is_file() else model_dir / "model.safetensors"))
     assert isinstance(raw, dict)
     want = getattr(mx, dtype)
     out = {}
@@ -435,6 +510,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "grow": True,
         "target_layers": (1, 5, 8, 11, 14, 18, 21, 27),
     },
+    # A larger target's first drafters (issue 28: Qwen2.5-Coder-1.5B, hidden 1,536, MLP 8,960): fresh, with an MLP
+    # of 2x the hidden width (a round costs less; the checkpoint ~90 MB in bf16 instead of ~125).
+    "dspark-l1-m3k": {"kind": "dspark", "layers": 1, "block_size": 7, "mlp_width": 3072},
+    "dflash-l2-m3k": {"kind": "dflash", "layers": 2, "block_size": 8, "mlp_width": 3072},
 }
 SHAPE_KEYS = ("kind", "layers", "block_size", "init", "lr")
 
@@ -450,13 +529,18 @@ def _plan(a: argparse.Namespace, work: Path, name: str) -> Any:
     from mlx_dspark.application.lab.training import TrainPlan, _auto_layers
 
     v = VARIANTS[name]
+    staged = slot_target(Path(a.model))
+    if "init" in v and staged["name"] != "default":
+        raise SystemExit(
+            f"{name} continues a drafter shipped for the default model; {staged['name']} trains fresh ones"
+        )
     extra = {k: x for k, x in v.items() if k not in SHAPE_KEYS}
     return TrainPlan(
         kind=v["kind"],
         layers=v["layers"],
         block_size=v["block_size"],
-        target_layers=tuple(extra.pop("target_layers", _auto_layers(30))),
-        mask_token_id=16,
+        target_layers=tuple(extra.pop("target_layers", _auto_layers(staged["num_layers"]))),
+        mask_token_id=int(staged["mask_token_id"]),
         draft_vocab=8192,
         markov_rank=32,
         lr=v.get("lr", a.lr),
@@ -499,12 +583,15 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
     train, tags = load_seqs(work / "train.npz")
     held, _ = load_seqs(work / "heldout.npz")
     chat_eos = [int(t) for t in json.loads((Path(a.model) / "config.json").read_text())["eos_token_id"]]
+    staged = slot_target(Path(a.model))
     target = TrainingTarget(
-        name="default",
-        identity="smollm2-135m-q4_1",
+        name=staged["name"],
+        identity=staged["identity"],
         tokenizer=_SlotTokenizer(chat_eos),
         handle=model,
-        tokenizer_size=49152,
+        tokenizer_size=int(staged["tokenizer_size"]),
+        special_ids=tuple(staged["special_ids"]),
+        reserved_ids=tuple(staged["reserved_ids"]),
     )  # type: ignore[arg-type]
     counts: dict[str, int] = {}
     for t in tags:
@@ -520,7 +607,7 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
 
     def run(plan: Any) -> dict[str, Any]:
         request = TrainRequest(
-            target="default",
+            target=staged["name"],
             out=str(work / name),
             plan=plan,
             data=DataOptions(),
@@ -725,7 +812,8 @@ def bench(a: argparse.Namespace, work: Path) -> None:
 
 def pack_data(a: argparse.Namespace, work: Path) -> None:
     """This slot's data for the way back (a later slot can train on it without generating): the token ids as
-    uint16 in one compressed npz, cut into <= 15 MiB pieces (`cat data.npz.* > data.npz` joins them)."""
+    uint16 (uint32 for a vocabulary past 65,536: Qwen's 151,936) in one compressed npz, cut into <= 15 MiB pieces
+    (`cat data.npz.* > data.npz` joins them)."""
     import io
 
     out = Path(a.pack_to)
@@ -734,7 +822,8 @@ def pack_data(a: argparse.Namespace, work: Path) -> None:
     for name in ("train", "heldout"):
         z = np.load(work / f"{name}.npz")
         parts.update({f"{name}_{k}": z[k] for k in z.files})
-        parts[f"{name}_ids"] = z["ids"].astype(np.uint16)  # the vocabulary (49,152) fits
+        ids = z["ids"]
+        parts[f"{name}_ids"] = ids.astype(np.uint16 if ids.size == 0 or int(ids.max()) < 1 << 16 else np.uint32)
     np.savez_compressed(buf, **parts)
     blob, piece = buf.getvalue(), 15 << 20
     for i in range(0, len(blob), piece):
@@ -794,6 +883,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--work", default="work")
     p.add_argument("--gguf")
+    p.add_argument("--name", help="export: the target's name in this project (default: the default model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=130000)
     p.add_argument("--self-instruct", type=int, default=20000)
@@ -841,7 +931,7 @@ def main() -> None:
 
         ensure_fast_blas()  # the optimized CPU BLAS, as every CPU entrypoint does (before mlx.core loads)
     if a.phase == "export":
-        export_target(a.gguf, a.model)
+        export_target(a.gguf, a.model, a.name)
         return
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

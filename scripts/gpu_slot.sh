@@ -7,7 +7,8 @@
 #   bash scripts/gpu_slot.sh profile VARIANTS         each variant alone, float32 and bfloat16 compute (~1 min)
 #   bash scripts/gpu_slot.sh train CALL TOTAL VARIANTS  train side by side for CALL seconds of a TOTAL-second
 #                                                     schedule (resumes what an earlier call left), pack curve + logs
-#   bash scripts/gpu_slot.sh pack NAME...             checkpoints back (<= 15 MiB pieces) with the curve and logs
+#   bash scripts/gpu_slot.sh pack NAME...             checkpoints back (<= 15 MiB pieces) with the curve and logs;
+#                                                     PIECES=0-3 sends only those pieces (a 1.5B drafter: ~8)
 #   bash scripts/gpu_slot.sh status                   what is staged and trained
 #
 # $HOME persists between calls while the machine stays warm; results go to $OUT. Environment overrides for a CPU dry
@@ -26,6 +27,8 @@ mkdir -p "$H/pkg/mlx_dspark"
 for d in domain adapters application entrypoints; do ln -sfn "$REPO/$d" "$H/pkg/mlx_dspark/$d"; done
 export PYTHONPATH=$H/pkg${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$H/mlx-site/.ok" ] && export PYTHONPATH=$H/mlx-site:$PYTHONPATH
+# A target staged as its GGUF brings the `gguf` package that converts it (slot_prepare.sh TARGET=...).
+[ -d "$H/bundle/pylib" ] && export PYTHONPATH=$H/bundle/pylib:$PYTHONPATH
 # MLX CUDA's JIT-compiled kernels on disk, shared by every call of the slot, so a later call reuses what an earlier
 # one compiled (the 2026-12-05 train call spent ~170 s before its first steps; how much is JIT is not yet measured).
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$H/ptx-cache}
@@ -37,13 +40,18 @@ pack_small() {  # the curve, the data summary and every log: always, first
   tar -czf "$OUT/logs.tgz" -C "$W" $(cd "$W" && ls log.txt ./*.log ./*.json 2>/dev/null | sed 's|^\./||') 2>/dev/null
 }
 
-pack_ckpt() {  # NAME: its published checkpoint, card and facts as <= 15 MiB pieces
-  local n=$1
+pack_ckpt() {  # NAME: its published checkpoint, card and facts as <= 15 MiB pieces (PIECES=a-b: only those)
+  local n=$1 range=${PIECES:-0-99} f i
   [ -f "$W/$n/model.safetensors" ] || { echo "pack: no checkpoint $n" >&2; return 0; }
-  tar -cf "$W/$n.tar" -C "$W" "$n/config.json" "$n/model.safetensors" "$n/README.md" \
-    $(cd "$W" && ls "$n/facts.json" 2>/dev/null)
-  split -b 15M -d -a 1 "$W/$n.tar" "$OUT/$n.tar."
-  rm -f "$W/$n.tar"
+  rm -rf "$W/pieces/$n" && mkdir -p "$W/pieces/$n"
+  tar -cf - -C "$W" "$n/config.json" "$n/model.safetensors" "$n/README.md" \
+    $(cd "$W" && ls "$n/facts.json" 2>/dev/null) | split -b 15M -d -a 2 - "$W/pieces/$n/$n.tar."
+  echo "pack: $n in $(ls "$W/pieces/$n" | wc -l) pieces, sending $range"
+  for f in "$W/pieces/$n"/*; do  # a large target's drafter needs more pieces than one call brings back
+    i=$((10#${f##*.}))
+    [ "$i" -ge "${range%-*}" ] && [ "$i" -le "${range#*-}" ] && cp "$f" "$OUT/"
+  done
+  return 0
 }
 
 check_out() {  # what comes back: at most 8 files, 16 MiB each, 64 MiB together

@@ -2,6 +2,11 @@
 # CPU side of a drafter slot (scripts/slot_plan.md): what the device calls carry, cut to fit one call each.
 #
 #   scripts/slot_prepare.sh [OUT=build/slot]
+#   TARGET=qwen2.5-coder-1.5b SLIM=1 scripts/slot_prepare.sh build/slot-1.5b
+#
+# TARGET names another installed model to train drafters for (its GGUF travels as it is, with the `gguf` package
+# that converts it on the device: bundle/pylib). SLIM=1 cuts the parts for a tree without the shipped drafters
+# (39 MB of the 42): the runner then stages with `scripts/slot_slim.sh on` and ends with `scripts/slot_slim.sh off`.
 #
 # Builds OUT/bundle (mlx/: MLX CUDA + mlx-lm from ../shared/tools/gpu-mlx-parts; target/: the default model's exact
 # export, with device_bench's pre-encoded prompts when that script is there; prev/: earlier slots' data when
@@ -13,12 +18,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-build/slot}
 PY=${PYTHON:-.venv/bin/python}
+TARGET=${TARGET:-default}
 LIMIT=$((64 * 1024 * 1024))
 MARGIN=$((3 * 1024 * 1024))  # other engineers' untracked files, the manifest, rounding
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file: ask git where the list is
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 [ -f .gpu/a/stage.sh ] && [ -f .gpu/b/install.sh ] || ../shared/tools/gpu-mlx-parts .gpu
 mkdir -p "$OUT"
-if [ ! -f "$OUT/bundle/target/target.safetensors" ]; then
+if [ "$TARGET" != default ]; then
+  if [ ! -f "$OUT/bundle/target/config.json" ]; then
+    rm -rf "$OUT/bundle"; mkdir -p "$OUT/bundle/mlx"
+    gguf=$("$PY" -c "import sys; from mlx_dspark.adapters.hf.cache import cache_root; from mlx_dspark.adapters.hf.default_models import embedded_gguf, ensure_installed; ensure_installed(sys.argv[1]); print(embedded_gguf(sys.argv[1], cache_root(None)))" "$TARGET")
+    "$PY" scripts/gpu_distill.py export --model "$OUT/bundle/target" --gguf "$gguf" --name "$TARGET"
+  fi
+  rm -rf "$OUT/bundle/pylib" && mkdir -p "$OUT/bundle/pylib"
+  cp -r "$("$PY" -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" "$OUT/bundle/pylib/"
+elif [ ! -f "$OUT/bundle/target/target.safetensors" ]; then
   rm -rf "$OUT/bundle"; mkdir -p "$OUT/bundle/mlx"
   if [ -f scripts/device_bench.py ]; then
     "$PY" scripts/device_bench.py export --out "$OUT/bundle/target"
@@ -36,7 +52,9 @@ if [ -n "${PREV_DATA:-}" ]; then
   for slot in $PREV_DATA; do n=$((n + 1)); cat ${slot//+/ } > "$OUT/bundle/prev/$n.npz"; done
 fi
 # What travels with every call: tracked files and untracked files git does not ignore.
-tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s 2>/dev/null \
+slim=${SLIM:+adapters/hf/drafters_data/}  # what scripts/slot_slim.sh takes out of the tree while staging
+tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | tr '\0' '\n' \
+  | { if [ -n "$slim" ]; then grep -v "^$slim"; else cat; fi; } | tr '\n' '\0' | xargs -0 -r stat -c %s 2>/dev/null \
   | awk '{s += $1} END {print s + 0}')
 room=$((LIMIT - tree - MARGIN))
 [ "$room" -gt $((4 * 1024 * 1024)) ] || { echo "the tree ($tree bytes) leaves no room to carry parts" >&2; exit 1; }

@@ -46,6 +46,8 @@ class TrainPlan:
         mask_token_id: the block's mask token.
         draft_vocab: DSpark head vocabulary (the most frequent response tokens, with a d2t map); 0 = full.
         markov_rank: DSpark Markov head rank.
+        mlp_width: the drafter's MLP width (0 = the target's, as the published drafters): a large target's
+            drafter with a narrower MLP costs less per round and ships smaller.
         always_draft: tokens always in the draft vocabulary (EOS).
         lr / weight_decay / warmup / clip: AdamW, warmup fraction, gradient-norm clip.
         epochs / batch / anchors: passes over the data, sequences per step, anchors per sequence.
@@ -81,6 +83,7 @@ class TrainPlan:
     mask_token_id: int = 0
     draft_vocab: int = 0
     markov_rank: int = 32
+    mlp_width: int = 0
     always_draft: tuple[int, ...] = ()
     lr: float = 6e-4
     weight_decay: float = 0.01

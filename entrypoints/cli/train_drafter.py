@@ -65,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
         help="drafter forward/backward dtype (bfloat16: over float32 master weights)",
     )
     p.add_argument("--markov-rank", type=int, default=32, help="dspark: Markov head rank")
+    p.add_argument("--mlp-width", type=int, default=0, help="the drafter's MLP width (0: the target's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between held-out τ estimates (0 = end only)")
@@ -156,6 +157,7 @@ def main(argv: Sequence[str]) -> int:
                 target_layers=_layers(args.target_layers),
                 draft_vocab=args.draft_vocab,
                 markov_rank=args.markov_rank,
+                mlp_width=args.mlp_width,
                 lr=args.lr,
                 epochs=args.epochs,
                 batch=args.batch,

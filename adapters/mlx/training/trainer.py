@@ -53,7 +53,7 @@ def drafter_config(plan: Any, model: nn.Module) -> dict[str, Any]:
     """The published `config.json` of a new drafter for `model` (z-lab DFlash or DeepSpec DSpark layout).
 
     Layer shapes are the target's (the drafter shares its width, embedding and head), as in the published
-    drafters; `num_hidden_layers`, `block_size` and the target layers come from the plan.
+    drafters; `num_hidden_layers`, `block_size`, the target layers and a narrower MLP come from the plan.
     """
     args = model_parts.model_args(model)
     hidden = model_parts.hidden_size(model)
@@ -61,9 +61,10 @@ def drafter_config(plan: Any, model: nn.Module) -> dict[str, Any]:
     common = {
         "model_type": "qwen3",
         "hidden_size": hidden,
-        # The drafter's own MLP width: the target's (LFM2 names it block_ff_dim), else the usual 4x.
+        # The drafter's own MLP width: the plan's, else the target's (LFM2 names it block_ff_dim), else 4x.
         "intermediate_size": int(
-            next(
+            getattr(plan, "mlp_width", 0)
+            or next(
                 (v for v in (getattr(args, k, None) for k in ("intermediate_size", "block_ff_dim", "ffn_dim")) if v),
                 4 * hidden,
             )

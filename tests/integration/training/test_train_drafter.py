@@ -133,6 +133,21 @@ def test_trained_drafter_loads_and_decodes_losslessly(data: dict[str, Any], kind
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_drafter_with_a_narrower_mlp_than_the_target_trains_and_decodes_losslessly(
+    data: dict[str, Any], kind: str, tmp_path: Path
+) -> None:
+    _train(data, _plan(kind, mlp_width=48, max_steps=12), tmp_path / kind)
+    config = json.loads((tmp_path / kind / "config.json").read_text())
+    assert config["intermediate_size"] == 48 != data["model"].args.intermediate_size
+    model = data["model"]
+    target = MlxTargetModel(model)
+    source = load_drafter(kind, str(tmp_path / kind), model, target=target, bits=0)
+    assert source.drafter.layers[0].mlp.gate_proj.weight.shape[0] == 48
+    for prompt in data["prompts"][:2]:
+        assert _greedy(target, prompt, source) == _greedy(target, prompt, None)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_resume_reproduces_an_uninterrupted_run(data: dict[str, Any], kind: str, tmp_path: Path) -> None:
     plan = _plan(kind, max_steps=10, checkpoint_every=100)
     _train(data, plan, tmp_path / "straight")
