@@ -112,7 +112,9 @@ def install(model: nn.Module) -> int:
     if not enabled():
         return 0
     fused_groups = 0
-    for _, parent in list(model.named_modules()):
+    # The parents only: a list of every module would hold each replaced projection's weights to the end.
+    parents = [m for _, m in model.named_modules() if any(isinstance(m.get(g[0]), nn.Module) for g in GROUPS)]
+    for parent in parents:
         for names, fused_name in GROUPS.items():
             modules = [parent.get(n) for n in names]
             if not all(isinstance(m, nn.Module) for m in modules):

@@ -152,3 +152,24 @@ def test_a_lazily_loading_loader_leaves_the_weights_unread(tmp_path: Path) -> No
     eager = HfModelLoader(settings, auto_install=False).load_target(str(path))
     assert groups_of(lazy.handle) == 0  # a tensor-parallel rank shards it next, reading only its shard
     assert groups_of(eager.handle) == 2 * len(eager.handle.layers)
+
+
+def test_each_group_s_originals_are_released_before_the_next_is_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory never holds both copies of more than one group (a 1.5B float32 target: +3.3 GB peak otherwise)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", seed=6)
+    fuse = fused_projections._fuse
+    earlier: list[weakref.ref[nn.Module]] = []
+    alive: list[int] = []
+
+    def spy(modules: list[nn.Module]) -> nn.Module:
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in earlier))
+        earlier.extend(weakref.ref(m) for m in modules)
+        return fuse(modules)
+
+    monkeypatch.setattr(fused_projections, "_fuse", spy)
+    assert fused_projections.install(model) == 2 * len(model.layers)
+    assert alive == [0] * len(alive)
