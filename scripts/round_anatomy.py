@@ -35,13 +35,11 @@ would give with overlap; `synced_x` the same without it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +49,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dspark.adapters.mlx import (
-    caches,
-    fused_projections,
-    row_products,
-)  # importable once device_bench has mapped the checkout
+# importable once device_bench has mapped the checkout
+from mlx_dspark.adapters.mlx import caches, fused_projections, row_products
 from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 
 PROMPT = 64  # cached rows before the first round
@@ -200,19 +195,6 @@ def table(name: str, result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def _fuse_on() -> Iterator[None]:
-    saved = os.environ.get(fused_projections.ENV)
-    os.environ[fused_projections.ENV] = "on"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(fused_projections.ENV)
-        else:
-            os.environ[fused_projections.ENV] = saved
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="", help="random-weight shapes (0.6b,4b,8b,32b,hybrid)")
@@ -239,8 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocab = int(model.args.vocab_size) if hasattr(model.args, "vocab_size") else 1000
         for kind in [c for c in args.caches.split(",") if c]:
             if kind.startswith("fused"):
-                with _fuse_on():
-                    fused_projections.install(model)  # once: a fused model has no siblings left
+                fused_projections.fuse(model)  # the first time only: a fused model has no siblings left
             base = "compiled" if kind == "fused" else kind.removeprefix("fused-")
             result = anatomy(model, vocab, widths, args.rounds, base)
             doc["results"][f"{name}/{kind}"] = result

@@ -108,9 +108,12 @@ def _fuse(modules: list[nn.Module]) -> nn.Module:
 
 
 def install(model: nn.Module) -> int:
-    """Fuse every group of `GROUPS` found in `model` (where `enabled()`); returns how many groups it fused."""
-    if not enabled():
-        return 0
+    """`fuse(model)` where `enabled()`; returns how many groups it fused (0 when off)."""
+    return fuse(model) if enabled() else 0
+
+
+def fuse(model: nn.Module) -> int:
+    """Fuse every group of `GROUPS` found in `model`, whatever the switch; returns how many groups it fused."""
     fused_groups = 0
     # The parents only: a list of every module would hold each replaced projection's weights to the end.
     parents = [m for _, m in model.named_modules() if any(isinstance(m.get(g[0]), nn.Module) for g in GROUPS)]
