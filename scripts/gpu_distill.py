@@ -511,9 +511,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "target_layers": (1, 5, 8, 11, 14, 18, 21, 27),
     },
     # A larger target's first drafters (issue 28: Qwen2.5-Coder-1.5B, hidden 1,536, MLP 8,960): fresh, with an MLP
-    # of 2x the hidden width (a round costs less; the checkpoint ~90 MB in bf16 instead of ~125).
-    "dspark-l1-m3k": {"kind": "dspark", "layers": 1, "block_size": 7, "mlp_width": 3072},
-    "dflash-l2-m3k": {"kind": "dflash", "layers": 2, "block_size": 8, "mlp_width": 3072},
+    # of 2x the hidden width (a round costs less; the checkpoint ~90 MB in bf16 instead of ~125), and a draft
+    # vocabulary of 32k of Qwen's 152k (the top 8k cover 92% of code tokens, 32k 98.4%, measured on Python sources;
+    # 7 draft rows of a 32k head cost ~3% of the 1.5B's step on a CPU where the full head costs ~15%).
+    "dspark-l1-m3k": {"kind": "dspark", "layers": 1, "block_size": 7, "mlp_width": 3072, "draft_vocab": 32768},
+    "dflash-l2-m3k": {"kind": "dflash", "layers": 2, "block_size": 8, "mlp_width": 3072, "draft_vocab": 32768},
 }
 SHAPE_KEYS = ("kind", "layers", "block_size", "init", "lr")
 
@@ -541,7 +543,7 @@ def _plan(a: argparse.Namespace, work: Path, name: str) -> Any:
         block_size=v["block_size"],
         target_layers=tuple(extra.pop("target_layers", _auto_layers(staged["num_layers"]))),
         mask_token_id=int(staged["mask_token_id"]),
-        draft_vocab=8192,
+        draft_vocab=extra.pop("draft_vocab", 8192),
         markov_rank=32,
         lr=v.get("lr", a.lr),
         epochs=100,
