@@ -21,7 +21,7 @@ from mlx_dspark.domain.costmodel.calibration import Calibration, CalibrationKey
 from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
 from mlx_dspark.domain.events import Finished, RoundFinished
-from mlx_dspark.domain.ports import Clock, DraftSource, TargetModel
+from mlx_dspark.domain.ports import Clock, DraftSource, StoppingDraftSource, TargetModel
 from mlx_dspark.domain.tokens import SamplingParams, StopRule
 
 Progress = Callable[[str, float], None]
@@ -283,7 +283,11 @@ def measure_drafter(
     plan: CalibrationPlan = CalibrationPlan(),
     steps: _Steps | None = None,
 ) -> dict[int, float]:
-    """Seconds of one `propose` per cap (median of repeats) on a context of `depth` realistic tokens."""
+    """Seconds of one `propose` per cap (median of repeats) on a context of `depth` realistic tokens, every block
+    run to its cap (a source that can stop early is measured without its stop: a random context leaves a draft
+    model unsure, and its stop would make every cap cost one draft)."""
+    if isinstance(source, StoppingDraftSource):
+        source = source.without_stop()
     steps = steps or _Steps(0, None)
     depth = max(1, min(depth, len(stream) - 2))
     prompt = list(stream[:depth])

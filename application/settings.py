@@ -22,6 +22,11 @@ def _check_threshold(_: object, __: attrs.Attribute[float | None], value: float 
         )
 
 
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise InvalidRequest(message=f"{attribute.name} must be >= 0, got {value}", param=attribute.name)
+
+
 def _check_mode(_: object, __: attrs.Attribute[str], value: str) -> None:
     if value not in MODES:
         raise InvalidRequest(message=f"mode must be one of {', '.join(MODES)}; got {value!r}", param="mode")
@@ -38,6 +43,9 @@ class ModelSettings:
     # Where a block stops early: DSpark's survival product, a draft model's probability of its draft. None: each
     # source's default (DSpark never stops early; a draft model stops below DEFAULT_STOP, measured to pay).
     confidence_threshold: float | None = attrs.field(default=None, validator=_check_threshold)
+    # A draft model drafts from its most used tokens only (its head reads those rows): None = 32,768 of a
+    # vocabulary above 65,536, else all; 0 = all.
+    draft_vocab: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
     trust_remote_code: bool = False
     cache_dir: str | None = None  # where converted models and calibration live
     # Shard the target over the ranks `mlx.launch` started, with this mx.distributed backend (ring, jaccl, mpi,

@@ -158,14 +158,23 @@ class DraftSource(Protocol):
         """Start a new request."""
         ...
 
-    def propose(
-        self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]
-    ) -> DraftBlock:
+    def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
         """Up to `cap` drafts after ctx.anchor, with their q (None = one-hot).
 
         With `cap` 0 a feature-reading source only takes ctx.features in (the decode loop replays rows it
         missed while another source ran) and proposes nothing.
         """
+        ...
+
+
+@runtime_checkable
+class StoppingDraftSource(Protocol):
+    """A draft source whose blocks can end before the cap at a cost that depends on where (a draft model's
+    confidence stop: each draft is one more step of its model)."""
+
+    def without_stop(self) -> DraftSource:
+        """The same source (weights shared, state of its own) whose blocks always run to the cap: what
+        calibration times, so that the cost measured at a cap is the cost of that many drafts."""
         ...
 
 

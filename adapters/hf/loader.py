@@ -45,6 +45,9 @@ class ModelOptions(Protocol):
     @property
     def confidence_threshold(self) -> float | None: ...
 
+    @property
+    def draft_vocab(self) -> int | None: ...
+
 
 @attrs.frozen(kw_only=True)
 class Checkpoint:
@@ -226,6 +229,7 @@ class HfModelLoader:
         self._keep_quantized_choice = keep_quantized
         self._drafter_spec = settings.drafter
         self._confidence_threshold = settings.confidence_threshold  # None: each source's own default
+        self._draft_vocab = settings.draft_vocab  # None: draft_vocab.wanted_size's default for the vocabulary
 
     def _keep_quantized(self) -> bool:
         """GGUF quantized blocks stay quantized where that is faster: on a GPU (Metal, CUDA).
@@ -388,11 +392,18 @@ class HfModelLoader:
 
     def draft_model_source(self, draft: Any) -> Any:
         """A draft-model source over the loaded model `draft` (its mlx-lm module, its own cache), stopping its
-        blocks below the configured confidence threshold (none configured: the source's measured default)."""
+        blocks below the configured confidence threshold (none configured: the source's measured default), and
+        drafting from a draft vocabulary where its vocabulary is large (`draft_vocab.wanted_size`)."""
+        from mlx_dspark.adapters.hf import draft_vocab
+        from mlx_dspark.adapters.mlx import model_parts
         from mlx_dspark.adapters.mlx.draft_model import DEFAULT_STOP, DraftModelSource
 
         threshold = DEFAULT_STOP if self._confidence_threshold is None else self._confidence_threshold
-        return DraftModelSource(draft.target.model, identity=draft.identity, confidence_threshold=threshold)
+        model = draft.target.model
+        vocab = model_parts.vocab_size(model)
+        size = draft_vocab.wanted_size(vocab, self._draft_vocab)
+        ids = draft_vocab.draft_vocabulary(draft.tokenizer, draft.identity, vocab, size, self._cache) if size else None
+        return DraftModelSource(model, identity=draft.identity, confidence_threshold=threshold, vocab_ids=ids)
 
     def available_drafters(self, model: Any) -> Sequence[str]:
         """ "lookup", the kind of a drafter given with --drafter, and the kinds packaged for `model`."""

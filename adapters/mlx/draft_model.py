@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mlx_dspark.adapters.mlx import cpu_kernels
+from mlx_dspark.adapters.mlx import cpu_kernels, model_parts
+from mlx_dspark.adapters.mlx.drafters.heads import DraftVocabulary
 from mlx_dspark.adapters.mlx.drafters.source import PROPOSALS, pick
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
 from mlx_dspark.domain.drafting.block import DraftBlock, DraftContext
@@ -51,7 +52,7 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class DraftModelSource:
+class DraftModelSource(DraftVocabulary):
     """DraftSource over an mlx-lm model sharing the target's vocabulary (checked by the application).
 
     Args:
@@ -60,18 +61,31 @@ class DraftModelSource:
         proposal: "sample" (sampled requests draw from q) or "argmax" (always the argmax, one-hot q).
         confidence_threshold: in [0, 1); > 0 ends a block after a draft the draft model gave less than it
             (0: every block runs to its cap; the loader passes DEFAULT_STOP unless told otherwise).
+        vocab_ids: draft only these token ids (a draft vocabulary: the tokens text uses most): the head reads
+            these rows alone, and q is the draft model's distribution over them (zero elsewhere), which is the
+            law the drafts are drawn from, so rejection sampling stays exact. None: the whole vocabulary. Not
+            applied to a model whose forward is more than its decoder and head (checked once here).
     """
 
     def __init__(
-        self, model: Any, *, identity: str = "", proposal: str = "sample", confidence_threshold: float = 0.0
+        self,
+        model: Any,
+        *,
+        identity: str = "",
+        proposal: str = "sample",
+        confidence_threshold: float = 0.0,
+        vocab_ids: Sequence[int] | None = None,
     ) -> None:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model
+        self.vocab_size = model_parts.vocab_size(model)
+        self._head = self._reduced_head(vocab_ids)
         stop = f":stop={confidence_threshold:g}" if confidence_threshold > 0 else ""
-        self.identity = f"draft:{identity or type(model).__module__}:block={MAX_BLOCK}{stop}"
+        vocab = f":vocab={self.draft_vocab_size}" if self._head is not None else ""
+        self.identity = f"draft:{identity or type(model).__module__}:block={MAX_BLOCK}{stop}{vocab}"
         self.proposal = proposal
         self.confidence_threshold = confidence_threshold
         self._cache: list[Any] | None = None
@@ -81,6 +95,11 @@ class DraftModelSource:
     @property
     def name(self) -> str:
         return "draft"
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens it can draft: the draft vocabulary's, else the whole vocabulary."""
+        return self.vocab_size if self._draft_to_target is None else int(self._draft_to_target.shape[0])
 
     @property
     def max_block(self) -> int:
@@ -105,6 +124,12 @@ class DraftModelSource:
         twin.begin(())
         return twin
 
+    def without_stop(self) -> Self:
+        """A fork whose blocks always run to the cap (calibration times `cap` drafts with it)."""
+        twin = self.fork()
+        twin.confidence_threshold = 0.0
+        return twin
+
     def propose(self, ctx: DraftContext, cap: int, sampling: SamplingParams, uniforms: Sequence[float]) -> DraftBlock:
         """Up to `cap` drafts after ctx.anchor, each from the draft model's step over the one before it."""
         n = max(0, min(cap, MAX_BLOCK))
@@ -116,11 +141,12 @@ class DraftModelSource:
         tokens: list[mx.array] = []
         qs: list[mx.array] = []
         for i in range(n):
-            token, q = pick(logits, sampling, None if u is None else u[i])
+            index, q = pick(logits, sampling, None if u is None else u[i])  # over the draft vocabulary
+            token = self.to_target_ids(index)
             tokens.append(token)
             if q is not None:
-                qs.append(q)
-            if i + 1 == n or self._unsure(logits, token, q):
+                qs.append(self.to_target_probs(q))
+            if i + 1 == n or self._unsure(logits, index, q):
                 break
             logits = self._step(token.reshape(1, 1))
         drafts = mx.stack(tokens).astype(mx.int32)
@@ -171,5 +197,32 @@ class DraftModelSource:
         return [a for _, a in tree_flatten([c.state for c in self._cache or ()]) if isinstance(a, mx.array)]
 
     def _step(self, tokens: mx.array) -> mx.array:
-        """The logits [V] after feeding `tokens` [1, n] into the cache."""
-        return self.model(tokens, cache=self._cache)[0, -1]
+        """The logits over the draft vocabulary after feeding `tokens` [1, n] into the cache (the head runs on
+        the last row only where the vocabulary is reduced)."""
+        if self._head is None:
+            return self.model(tokens, cache=self._cache)[0, -1]
+        return self._head(model_parts.final_hidden(self.model, tokens, self._cache)[0, -1])
+
+    def _reduced_head(self, vocab_ids: Sequence[int] | None) -> Any:
+        """The head over `vocab_ids` (setting the draft → target id map), or None (the whole vocabulary): no ids,
+        all of them, a head layout `head_subset` does not know, or a forward that is not decoder + head (its
+        logits on a probe differ from the model's own)."""
+        self.map_draft_vocabulary(None)
+        wanted = sorted({int(i) for i in vocab_ids or () if 0 <= int(i) < self.vocab_size})
+        if not wanted or len(wanted) >= self.vocab_size:
+            return None
+        ids = mx.array(wanted, dtype=mx.int32)
+        head = model_parts.head_subset(self.model, ids)
+        if head is None:
+            return None
+        probe = ids[:4].reshape(1, -1)
+        full = self.model(probe)[0, -1].astype(mx.float32)[ids]
+        try:
+            mine = head(model_parts.final_hidden(self.model, probe, None)[0, -1]).astype(mx.float32)
+        except (TypeError, ValueError):  # a decoder that needs more than tokens and a cache
+            return None
+        bound = 1e-2 * float(mx.max(mx.abs(full)).item()) + 1e-3  # a structure check, not a rounding one
+        if float(mx.max(mx.abs(full - mine)).item()) > bound:
+            return None
+        self.map_draft_vocabulary(ids - mx.arange(len(wanted), dtype=mx.int32))
+        return head

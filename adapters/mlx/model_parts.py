@@ -7,6 +7,7 @@ tied heads, final-logit softcaps, output multipliers, multimodal wrappers) is re
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -178,3 +179,54 @@ def head_rows(model: nn.Module, token_ids: mx.array) -> mx.array:
     eye = mx.eye(h, dtype=final_norm(model).weight.dtype)
     full = head_projection(model, eye).astype(mx.float32).T
     return full[token_ids.astype(mx.int32)]
+
+
+def final_hidden(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
+    """The decoder's final-normed hidden states `[batch, n, hidden]` for `tokens` (the model's forward without
+    its head). `lm_head(model, final_hidden(...))` is the model's own output in every family whose outer
+    forward only applies the head; a caller checks that once (`head_subset`'s users do)."""
+    return _decoder(model)(tokens, cache=cache)
+
+
+def head_subset(model: nn.Module, token_ids: mx.array) -> Callable[[mx.array], mx.array] | None:
+    """The target's LM head restricted to `token_ids`: logits `[..., len(token_ids)]`, each column the same dot
+    product as the full head's column for that id (output multiplier and softcap applied), in the head's own
+    storage (a quantized head stays quantized). None for a head layout it does not know.
+
+    A draft model's head over the tokens text actually uses reads a fifth of a 152k-vocabulary head's bytes."""
+    owner = _owner(model)
+    module = owner["lm_head"] if "lm_head" in owner and isinstance(owner["lm_head"], nn.Module) else embedding(model)
+    ids = token_ids.astype(mx.int32)
+    project: Callable[[mx.array], mx.array]
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        full_biases = module.get("biases")
+        w, s = module.weight[ids], module.scales[ids]
+        b = None if full_biases is None else full_biases[ids]
+        mx.eval(w, s, *([] if b is None else [b]))  # copies of the rows: the gathers run once, here
+        group_size, bits, mode = module.group_size, module.bits, getattr(module, "mode", "affine")
+
+        def project(h: mx.array) -> mx.array:
+            return mx.quantized_matmul(h, w, s, b, transpose=True, group_size=group_size, bits=bits, mode=mode)
+
+    elif isinstance(module, (nn.Linear, nn.Embedding)):
+        w = module.weight[ids]
+        mx.eval(w)
+
+        def project(h: mx.array) -> mx.array:
+            return h @ w.T
+
+    else:
+        return None
+    full_bias = module.get("bias") if isinstance(module, nn.Linear) else None
+    bias = None if full_bias is None else full_bias[ids]
+    scale, cap = output_scale(model), final_logit_softcap(model)
+
+    def head(h: mx.array) -> mx.array:
+        out = project(h)
+        if bias is not None:
+            out = out + bias
+        if scale != 1.0:
+            out = out * scale
+        return softcap(out, cap)
+
+    return head

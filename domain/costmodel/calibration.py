@@ -9,7 +9,8 @@ import attrs
 from mlx_dspark.domain.costmodel.curves import CostCurves
 
 # Bump when the meaning of a stored field changes; entries of another schema are never read back.
-CALIBRATION_SCHEMA = 1
+# 2: a draft model's draft_s is the cost of full blocks (schema 1 timed its confidence stop: about one draft a cap).
+CALIBRATION_SCHEMA = 2
 
 
 @attrs.frozen(kw_only=True)

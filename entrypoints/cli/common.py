@@ -40,6 +40,13 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
         help="stop a block early, in [0, 1): DSpark below this survival (default: never), a draft model after a "
         "draft it gave less than this probability (default 0.2); 0 = never",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="a draft model drafts from its N most used tokens (default 32768 where its vocabulary is larger than "
+        "65536, else all; 0 = all)",
+    )
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")
     p.add_argument(
@@ -88,6 +95,7 @@ MODEL_FLAGS = (
     "drafter_bits",
     "max_draft",
     "confidence_threshold",
+    "draft_vocab",
     "trust_remote_code",
     "cache_dir",
     "distributed",

@@ -441,7 +441,7 @@ def test_drafter_flag_applies_only_to_its_own_kind(tmp_path: Path, qwen3_target:
 
     dspark_dir = str(helpers.write_dspark(tmp_path / "ds", qwen3_target))
     options = SimpleNamespace(
-        trust_remote_code=False, cache_dir=str(tmp_path), drafter=dspark_dir, confidence_threshold=0
+        trust_remote_code=False, cache_dir=str(tmp_path), drafter=dspark_dir, confidence_threshold=0, draft_vocab=None
     )
     loader = HfModelLoader(options)
     assert loader.drafter_kind(dspark_dir) == "dspark"
