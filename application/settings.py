@@ -43,8 +43,7 @@ class ModelSettings:
     # Where a block stops early: DSpark's survival product, a draft model's probability of its draft. None: each
     # source's default (DSpark never stops early; a draft model stops below DEFAULT_STOP, measured to pay).
     confidence_threshold: float | None = attrs.field(default=None, validator=_check_threshold)
-    # A draft model drafts from its most used tokens only (its head reads those rows): None = 32,768 of a
-    # vocabulary above 65,536, else all; 0 = all.
+    # A draft model drafts from this many of its most used tokens only (its head reads those rows); None or 0: all.
     draft_vocab: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
     trust_remote_code: bool = False
     cache_dir: str | None = None  # where converted models and calibration live

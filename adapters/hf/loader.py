@@ -229,7 +229,7 @@ class HfModelLoader:
         self._keep_quantized_choice = keep_quantized
         self._drafter_spec = settings.drafter
         self._confidence_threshold = settings.confidence_threshold  # None: each source's own default
-        self._draft_vocab = settings.draft_vocab  # None: draft_vocab.wanted_size's default for the vocabulary
+        self._draft_vocab = settings.draft_vocab  # None or 0: a draft model keeps its whole head
 
     def _keep_quantized(self) -> bool:
         """GGUF quantized blocks stay quantized where that is faster: on a GPU (Metal, CUDA).
@@ -393,7 +393,7 @@ class HfModelLoader:
     def draft_model_source(self, draft: Any) -> Any:
         """A draft-model source over the loaded model `draft` (its mlx-lm module, its own cache), stopping its
         blocks below the configured confidence threshold (none configured: the source's measured default), and
-        drafting from a draft vocabulary where its vocabulary is large (`draft_vocab.wanted_size`)."""
+        drafting from the configured draft vocabulary (`--draft-vocab`; none: its whole head)."""
         from mlx_dspark.adapters.hf import draft_vocab
         from mlx_dspark.adapters.mlx import model_parts
         from mlx_dspark.adapters.mlx.draft_model import DEFAULT_STOP, DraftModelSource

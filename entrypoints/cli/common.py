@@ -44,8 +44,7 @@ def add_model_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
         "--draft-vocab",
         type=int,
         metavar="N",
-        help="a draft model drafts from its N most used tokens (default 32768 where its vocabulary is larger than "
-        "65536, else all; 0 = all)",
+        help="a draft model drafts from its N most used tokens (its head reads only those rows; default: all)",
     )
     p.add_argument("--trust-remote-code", action="store_true", default=None, help="allow checkpoints with custom code")
     p.add_argument("--cache-dir", help="where converted models and calibration are stored")

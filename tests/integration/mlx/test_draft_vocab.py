@@ -197,9 +197,9 @@ def test_the_vocabulary_is_the_most_used_tokens_counted_once_and_cached(tmp_path
 
 
 def test_who_gets_a_draft_vocabulary() -> None:
-    assert draft_vocab.wanted_size(151936, None) == draft_vocab.DEFAULT_SIZE  # Qwen's: reduced by default
-    assert draft_vocab.wanted_size(49152, None) == 0  # SmolLM2's: whole
+    assert draft_vocab.wanted_size(151936, None) == 0  # not asked for: the whole head (it measured even)
     assert draft_vocab.wanted_size(151936, 0) == 0  # asked for none
+    assert draft_vocab.wanted_size(151936, 32768) == 32768
     assert draft_vocab.wanted_size(49152, 8192) == 8192  # asked for one
     assert draft_vocab.wanted_size(100, 500) == 0  # as large as the vocabulary: none
     assert draft_vocab.ranked(Counter({5: 3, 6: 3, 7: 9, 200: 50}), 3, {1}, 100) == (1, 5, 7)  # ties by id
@@ -217,7 +217,7 @@ def test_the_loader_gives_a_draft_model_the_configured_vocabulary(tmp_path: Path
     def source(**given: Any) -> Any:
         return HfModelLoader(ModelSettings(cache_dir=str(tmp_path), **given)).draft_model_source(draft)
 
-    assert source().draft_vocab_size == helpers.VOCAB  # a small vocabulary keeps its whole head
+    assert source().draft_vocab_size == helpers.VOCAB  # not asked for: the whole head
     reduced = source(draft_vocab=50)
     assert reduced.draft_vocab_size == 50 and reduced.identity != source().identity  # calibrated apart
     assert source(draft_vocab=0).draft_vocab_size == helpers.VOCAB
