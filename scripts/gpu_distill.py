@@ -564,6 +564,23 @@ def _plan(a: argparse.Namespace, work: Path, name: str) -> Any:
     )
 
 
+def _gpu_name() -> str:
+    """The GPU the slot ran on, for the model card (the lent machines are H200s or H100s)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out.splitlines()[0].strip() if out else "GPU"
+
+
 def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
     """One variant through the training use case (`application/lab/training.py`: plan, checks, card, trainer),
     resumed from `work/NAME/training/` when an earlier call left it; the data is this slot's own."""
@@ -600,7 +617,7 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
         src = t.split(":")[0]
         counts[src] = counts.get(src, 0) + 1
     note = (
-        f"{len(train)} target responses generated in this slot (bf16 target on one H200, lock-step generator; "
+        f"{len(train)} target responses generated in this slot (bf16 target on one {_gpu_name()}, lock-step generator; "
         f"by source: {', '.join(f'{k} {n}' for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))})"
     )
 

@@ -81,8 +81,13 @@ def test_the_shared_vocabulary_check_refuses_a_recurrent_draft_model_of_another_
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cap", [1, 4, 9])
 def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -> None:
-    source = DraftModelSource(drafts_for(target, kind))
+    greedy_equals_plain(target, DraftModelSource(drafts_for(target, kind)), kind, cap)
+
+
+def greedy_equals_plain(target: Any, source: DraftModelSource, kind: str, cap: int) -> list[list[int]]:
+    """Three random prompts decoded with `source` at `cap` equal plain decoding; returns each prompt + output."""
     rng = random.Random(cap)
+    texts: list[list[int]] = []
     drafted = accepted = 0
     for _ in range(3):
         prompt = [rng.randrange(helpers.VOCAB) for _ in range(rng.randint(1, 20))]
@@ -98,11 +103,13 @@ def test_greedy_output_equals_plain_decoding(target: Any, kind: str, cap: int) -
         # they were accepted), so rollback left nothing stale behind.
         ids = source.cached_ids
         assert list(ids) == (prompt + got)[: len(ids)]
+        texts.append(prompt + got)
     assert drafted > 0
     if kind == "perfect":
         assert accepted == drafted  # its own drafts: every one accepted
     if kind == "close":
         assert 0 < accepted < drafted  # a mix of accepted and rejected drafts: rollback exercised
+    return texts
 
 
 @pytest.mark.parametrize("kind", ["close", "recurrent", "conv"])

@@ -29,6 +29,7 @@ from mlx_dspark.domain.tokens import SamplingParams, StopRule
 from tests.fakes.tiny_models import tiny_model
 from tests.integration.drafters import helpers
 from tests.integration.drafters.test_decode import exact_joint, pooled_p_value, run
+from tests.integration.mlx.test_draft_model_source import greedy_equals_plain
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +78,9 @@ def test_greedy_output_with_a_draft_vocabulary_equals_plain_decoding(target: Any
     ids = some_ids(helpers.VOCAB, 80, seed=cap)
     source = DraftModelSource(draft, vocab_ids=ids)
     assert source.draft_vocab_size == 80 and ":vocab=80" in source.identity
-    rng = random.Random(cap)
-    for _ in range(3):
-        prompt = [rng.randrange(helpers.VOCAB) for _ in range(rng.randint(1, 20))]
-        stop = StopRule(max_tokens=rng.randint(10, 30))
-        expected, _, _ = run(target, prompt, stop)
-        got, rounds, _ = run(target, prompt, stop, source=source, cap_policy=FixedCap(cap))
-        assert got == expected, (kind, prompt)
-        assert sum(r.drafted for r in rounds) > 0
-        block = source.propose(DraftContext(anchor=got[-1], position=len(prompt) + len(got) - 1,
-                                            history=prompt + got), cap, SamplingParams(), [])  # fmt: skip
-        assert set(block.tokens) <= set(ids)
+    for text in greedy_equals_plain(target, source, kind, cap):
+        ctx = DraftContext(anchor=text[-1], position=len(text) - 1, history=text)
+        assert set(source.propose(ctx, cap, SamplingParams(), []).tokens) <= set(ids)
 
 
 def test_greedy_drafts_are_the_argmax_over_the_draft_vocabulary(target: Any) -> None:
