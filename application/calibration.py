@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -28,6 +29,7 @@ Progress = Callable[[str, float], None]
 """Called with a short status line and the fraction done (0..1); the CLI renders it."""
 
 GREEDY = SamplingParams()
+K = TypeVar("K", bound=Hashable)
 MIN_DISTINCT = 8  # a stream with fewer distinct ids is not realistic traffic
 
 
@@ -112,14 +114,41 @@ def _median_seconds(clock: Clock, fn: Callable[[int], None], warmup: int, repeat
     return float(statistics.median(samples))
 
 
+def _interleaved_medians(
+    clock: Clock,
+    calls: Mapping[K, Callable[[int], None]],
+    warmup: int,
+    repeats: int,
+    steps: _Steps,
+    label: Callable[[K], str],
+) -> dict[K, float]:
+    """The median seconds of each call, its repeats taken in turns (all keys once, then all again).
+
+    Timing one width's repeats back to back lets a passing load on a shared host land on that width alone:
+    a 1.5B calibration once timed its 1-row verify at 0.170 s against 0.252 s in every other run, and the
+    cap policy, seeing drafts that looked dear beside so cheap a step, paused speculation. In turns, a load
+    spike costs every width one sample and the medians drop it.
+    """
+    weight = 1.0 / max(warmup + repeats, 1)
+    samples: dict[K, list[float]] = {k: [] for k in calls}
+    for i in range(warmup + repeats):
+        for key, fn in calls.items():
+            t0 = clock.now()
+            fn(i)
+            if i >= warmup:
+                samples[key].append(clock.now() - t0)
+            steps.tick(label(key), weight)
+    return {k: float(statistics.median(v)) if v else 0.0 for k, v in samples.items()}
+
+
 class _Steps:
-    """Counts timed steps for the progress line."""
+    """Counts timed steps for the progress line (a step may be done in parts: `weight`)."""
 
     def __init__(self, total: int, progress: Progress | None) -> None:
-        self.total, self.done, self.progress = max(total, 1), 0, progress
+        self.total, self.done, self.progress = max(total, 1), 0.0, progress
 
-    def tick(self, label: str) -> None:
-        self.done += 1
+    def tick(self, label: str, weight: float = 1.0) -> None:
+        self.done += weight
         if self.progress is not None:
             self.progress(label, min(self.done / self.total, 1.0))
 
@@ -250,10 +279,14 @@ def measure_verify(
 
     target.reset(0)
     target.prefill(list(stream[:depth]), GREEDY, 0.5)
-    shallow: dict[int, float] = {}
-    for w in widths:
-        shallow[w] = _median_seconds(clock, _verify_call(target, stream, depth, w), plan.warmup, plan.repeats)
-        steps.tick(f"verify width {w}/{max_width}")
+    shallow = _interleaved_medians(
+        clock,
+        {w: _verify_call(target, stream, depth, w) for w in widths},
+        plan.warmup,
+        plan.repeats,
+        steps,
+        lambda w: f"verify width {w}/{max_width}",
+    )
 
     slope = 0.0
     if deep > depth:
@@ -304,10 +337,14 @@ def measure_drafter(
         # Read the tokens: a draft may still be running on the device when propose returns.
         _ = source.propose(ctx, cap, GREEDY, [0.5] * cap).tokens
 
-    out: dict[int, float] = {}
-    for cap in measured_widths(max_cap, 12):
-        out[cap] = _median_seconds(clock, functools.partial(propose, cap), plan.warmup, plan.repeats)
-        steps.tick(f"drafter {source.name} cap {cap}/{max_cap}")
+    out = _interleaved_medians(
+        clock,
+        {cap: functools.partial(propose, cap) for cap in measured_widths(max_cap, 12)},
+        plan.warmup,
+        plan.repeats,
+        steps,
+        lambda cap: f"drafter {source.name} cap {cap}/{max_cap}",
+    )
     target.reset(0)
     return out
 
