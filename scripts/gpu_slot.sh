@@ -4,6 +4,7 @@
 #   bash scripts/gpu_slot.sh recv build/slot/send/NN   stage one part (scripts/slot_prepare.sh); the last one joins
 #                                                     them: MLX CUDA into $HOME/mlx-site, the target into $HOME/target
 #   bash scripts/gpu_slot.sh data SECONDS             generate this slot's data (SECONDS of generation), pack it back
+#   bash scripts/gpu_slot.sh unpack DATA.npz           train on an earlier call's data (carried back in)
 #   bash scripts/gpu_slot.sh profile VARIANTS         each variant alone, float32 and bfloat16 compute (~1 min)
 #   bash scripts/gpu_slot.sh train CALL TOTAL VARIANTS  train side by side for CALL seconds of a TOTAL-second
 #                                                     schedule (resumes what an earlier call left), pack curve + logs
@@ -86,6 +87,11 @@ case ${1:-status} in
     prev=$(ls "$H"/bundle/prev/*.npz 2>/dev/null | paste -sd, -)
     [ -n "$prev" ] && distill merge-data --data-file "$prev"
     pack_small; check_out
+    ;;
+  unpack)
+    # An earlier call's data (data.npz, carried back in) as this work's training set: a fresh machine trains
+    # on it without generating again.
+    distill unpack-data --data-file "$2"; pack_small
     ;;
   profile)
     timeout -k 20 300 "$PY" "$REPO/scripts/gpu_distill.py" profile --model "$H/target" --work "$W" --variants "$2" $EXTRA

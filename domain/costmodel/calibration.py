@@ -10,7 +10,9 @@ from mlx_dspark.domain.costmodel.curves import CostCurves
 
 # Bump when the meaning of a stored field changes; entries of another schema are never read back.
 # 2: a draft model's draft_s is the cost of full blocks (schema 1 timed its confidence stop: about one draft a cap).
-CALIBRATION_SCHEMA = 2
+# 3: each point's repeats taken in turns with the other points' (schema 2 timed them back to back, so a passing
+#    load could move one width alone).
+CALIBRATION_SCHEMA = 3
 
 
 @attrs.frozen(kw_only=True)

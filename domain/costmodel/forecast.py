@@ -21,8 +21,10 @@ and runs the best forecast; a rate is tokens per round ÷ seconds per round, spl
   character gets it back.
 
 A switch needs a forecast `margin` ahead of the running source's estimate (a switch has a cost, and a
-forecast an error), after `settle` measured rounds of the running stint; the first round of a stint is
-not measured (it pays the switch). Pure bookkeeping over numbers: no clock, no I/O.
+forecast an error), after `settle` measured rounds of the running stint; the first round of a stint counts
+its tokens but not its seconds (it pays the switch). Tokens per round measured on this prompt are shrunk
+towards the drafter's earlier prompts (`prior_rounds`): a look of a few rounds is a small sample.
+Pure bookkeeping over numbers: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class ForecastConfig:
         look: a drafter never measured on this prompt gets one first look (a stint of `settle` rounds)
             when its forecast is at least (1 - look) of the running source's estimate: a prior is an
             average over other prompts, and on code or math a drafter does far better than on chat.
+        prior_rounds: a drafter's tokens per round measured on this prompt are shrunk towards what earlier
+            prompts measured as if that were this many rounds of this prompt (0: no shrinkage).
     """
 
     margin: float = 0.2
@@ -53,10 +57,20 @@ class ForecastConfig:
     settle: int = 3
     alpha: float = 0.08
     relax: int = 64
+    prior_rounds: float = 2.0
 
     def __attrs_post_init__(self) -> None:
-        if self.margin < 0 or self.settle < 1 or self.relax < 1 or not 0 < self.alpha <= 1 or not 0 <= self.look <= 1:
-            raise ValueError("need margin >= 0, settle >= 1, relax >= 1, 0 < alpha <= 1 and 0 <= look <= 1")
+        if (
+            self.margin < 0
+            or self.prior_rounds < 0
+            or self.settle < 1
+            or self.relax < 1
+            or not 0 < self.alpha <= 1
+            or not 0 <= self.look <= 1
+        ):
+            raise ValueError(
+                "need margin >= 0, prior_rounds >= 0, settle >= 1, relax >= 1, 0 < alpha <= 1 and 0 <= look <= 1"
+            )
 
 
 class CostBook:
@@ -193,14 +207,14 @@ class ForecastArbiter:
         est = self._est.get(name)
         if name in self.shadowed or name == self.running:
             if est is not None and est.rounds:
-                return est.rate
+                return self._rate(name, est)
             return self._prior_of(name)
         prior = self._scaled_prior(name)
         if est is None or not est.rounds:
             return prior
         # A left drafter's measurement relaxes towards its (scaled) prior.
         weight: float = 0.5 ** ((self._round - est.at) / self._relax[name])
-        return weight * est.rate + (1 - weight) * prior
+        return weight * self._rate(name, est) + (1 - weight) * prior
 
     def measured(self) -> dict[str, float]:
         """tok/s of every candidate measured on this prompt (run or replayed): what the next request's
@@ -229,14 +243,16 @@ class ForecastArbiter:
         if name != self.running:  # the caller ran another candidate: follow it
             self._begin(name)
         self._stint += 1
-        if self._stint == 1 or not seconds > 0:
-            return  # the first round of a stint pays the switch: not this source's steady cost
-        self.costs.observe(name, drafted, seconds)
-        if name != self.plain:
-            # Its seconds are the book's (robust, and the modelled ones for a frozen book), not this round's.
+        first = self._stint == 1
+        if not first and seconds > 0:  # the first round of a stint pays the switch: not this source's steady cost
+            self.costs.observe(name, drafted, seconds)
+        if name != self.plain and (seconds > 0 or first):
+            # Its tokens count from the first round on (the switch costs time, not acceptance); its seconds are
+            # the book's (robust, and the modelled ones for a frozen book), not this round's.
             cost = self.costs.seconds(name, drafted)
             self._est.setdefault(name, _Estimate()).add(tokens, cost, drafted, self.config.alpha, self._round)
-        self._measured_in_stint += 1
+        if not first and seconds > 0:
+            self._measured_in_stint += 1
 
     def shadow(self, name: str, tokens: int, drafted: int) -> None:
         """A replayed round of a shadowed candidate: its tokens, at the cost book's seconds."""
@@ -297,7 +313,21 @@ class ForecastArbiter:
         if run in (name, self.plain) or run in self.shadowed or est is None or not est.rounds:
             return prior
         own = self._accept.get(run, 0.0)
-        return prior * (est.tokens / own) if own > 0 and self._accept.get(name, 0.0) > 0 else prior
+        return prior * (self._tokens(run, est) / own) if own > 0 and self._accept.get(name, 0.0) > 0 else prior
+
+    def _rate(self, name: str, est: _Estimate) -> float:
+        return self._tokens(name, est) / est.seconds if est.seconds > 0 else 0.0
+
+    def _tokens(self, name: str, est: _Estimate) -> float:
+        """Tokens per round of a drafter measured here, shrunk towards what earlier prompts measured by
+        `prior_rounds` pseudo-rounds (a look of 3-4 rounds on a drafter whose rounds commit 1 to 8 tokens is a
+        small sample)."""
+        own = self._accept.get(name, 0.0)
+        if name in self.shadowed or own <= 0:
+            return est.tokens
+        n = min(est.rounds, 1.0 / self.config.alpha)
+        k = self.config.prior_rounds
+        return (n * est.tokens + k * own) / (n + k)
 
     def _says(self, name: str) -> str:
         kind = " replayed" if name in self.shadowed else ""

@@ -186,7 +186,8 @@ def test_a_mid_request_switch_keeps_greedy_output_and_seeded_sampling(
         assert list(greedy.token_ids) == expected
         moves = [e for _, e in sink.events if isinstance(e, SourceSwitched)]
         assert greedy.source_switches >= 2 and any(m.old == "lookup" for m in moves)
-        assert len([n for n, k in greedy.source_rounds.items() if k]) >= 3  # lookup, plain and a drafter ran
+        ran = {n for n, k in greedy.source_rounds.items() if k}
+        assert "lookup" in ran and ran & {"dspark", "dflash"}  # lookup, then a drafter, ran
         seeded = run(service, target, REPETITIVE, 40, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=5))
         assert len(seeded.token_ids) == 40
         results.append((greedy.source_rounds, seeded.token_ids, seeded.source_rounds))

@@ -259,7 +259,21 @@ def test_the_running_drafter_scales_the_other_drafters_forecast() -> None:
     )
     for _ in range(4):
         arb.record("a", 6, 0.1, 6)  # twice its usual tokens: an easy prompt for drafters
-    assert arb.forecast("b") == pytest.approx(60.0)
+    # 4 rounds at 6 tokens shrunk towards its earlier 3 by 2 pseudo-rounds: 5 tokens, 5/3 of b's prior.
+    assert arb.forecast("a") == pytest.approx(50.0)
+    assert arb.forecast("b") == pytest.approx(50.0)
+    unshrunk = ForecastArbiter(
+        ["a", "b", PLAIN],
+        start="a",
+        plain=PLAIN,
+        priors={"a": 30.0, "b": 30.0},
+        acceptance={"a": 3.0, "b": 3.0},
+        costs=book({"a": 0.1, "b": 0.1, PLAIN: 0.05}),
+        config=ForecastConfig(prior_rounds=0),
+    )
+    for _ in range(4):
+        unshrunk.record("a", 6, 0.1, 6)
+    assert unshrunk.forecast("b") == pytest.approx(60.0)
     assert ForecastArbiter(["a"], start="a", costs=costs).forecast("a") == pytest.approx(0.0)
 
 
@@ -305,3 +319,14 @@ def test_it_ends_within_the_margin_of_the_best_candidate(
     assert truth[ran[-1]] >= best / (1 + CFG.margin) * 0.8
     tail = ran[300:]
     assert sum(truth[n] for n in tail) / len(tail) >= best / (1 + CFG.margin) * 0.8
+
+
+def test_a_stints_first_round_counts_its_tokens_but_not_its_seconds() -> None:
+    # The first round after a switch pays the switch (a catch-up, a first-use compile on a GPU): its seconds
+    # would make the source look slow, but the tokens it committed are this prompt's evidence like any other.
+    costs = book({"a": 0.1, PLAIN: 0.05})
+    arb = ForecastArbiter(["a", PLAIN], start="a", plain=PLAIN, priors={"a": 30.0}, costs=costs)
+    arb.record("a", 8, 5.0, 6)  # a stalled first round
+    assert arb.forecast("a") == pytest.approx(80.0)  # 8 tokens at the book's 0.1 s
+    assert costs.seconds("a", 6) == pytest.approx(0.1)  # the stall taught the book nothing
+    assert arb.decide() is None  # and it was no measured round of the stint: no verdict yet
