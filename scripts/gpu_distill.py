@@ -642,17 +642,29 @@ def train_one(a: argparse.Namespace, work: Path, name: str) -> None:
         # Every variant of the call stops at the same moment (equal device time), whatever its start-up took.
         plan = attrs.evolve(plan, stop_after_s=max(5.0, a.deadline - time.time() - 5.0))
     log(work, name, "loaded in", round(time.perf_counter() - t0, 1), "s;", len(train), "sequences;", plan.stop_after_s)
-    try:
-        facts = run(plan)
-    except KeyboardInterrupt:  # outside the training loop: the last checkpoint (if any) stands, the next call resumes
-        log(work, name, "interrupted outside the training loop; the last checkpoint stands")
-        return
-    except Exception as exc:  # a compile failure must not cost the slot: the same run, uncompiled
-        import traceback
+    facts = None
+    while facts is None:
+        try:
+            facts = run(plan)
+        except KeyboardInterrupt:  # outside the training loop: the last checkpoint (if any) stands
+            log(work, name, "interrupted outside the training loop; the last checkpoint stands")
+            return
+        except Exception as exc:
+            import traceback
 
-        log(work, name, "compiled run failed, retrying uncompiled:", repr(exc), traceback.format_exc()[-1500:])
-        left = (a.deadline - time.time() - 5.0) if a.deadline else (a.call_seconds or a.train_seconds)
-        facts = run(attrs.evolve(plan, compile=False, stop_after_s=max(5.0, left - (time.perf_counter() - t0))))
+            left = (a.deadline - time.time() - 5.0) if a.deadline else (a.call_seconds or a.train_seconds)
+            left = max(5.0, left - (time.perf_counter() - t0))
+            if "out of memory" in str(exc) and plan.batch > 8:
+                # Two runs side by side on a 1.5B target's 151,936-token vocabulary outgrew an 80 GB H100
+                # (2026-12-07): the run goes on at half the batch instead of leaving the slot without it.
+                log(work, name, f"out of memory at batch {plan.batch}, retrying at {plan.batch // 2}:", repr(exc))
+                mx.clear_cache()
+                plan = attrs.evolve(plan, batch=plan.batch // 2, stop_after_s=left)
+            elif plan.compile:  # a compile failure must not cost the slot: the same run, uncompiled
+                log(work, name, "compiled run failed, retrying uncompiled:", repr(exc), traceback.format_exc()[-1500:])
+                plan = attrs.evolve(plan, compile=False, stop_after_s=left)
+            else:
+                raise
     facts = {k: x for k, x in facts.items() if k != "config"}
     facts["wall_s"] = time.perf_counter() - t0
     facts["device"] = str(mx.default_device())
