@@ -248,32 +248,24 @@ def test_a_cap_policy_pause_moves_the_request_at_once() -> None:
 
 
 def test_the_running_drafter_scales_the_other_drafters_forecast() -> None:
-    costs = book({"a": 0.1, "b": 0.1, PLAIN: 0.05})
-    arb = ForecastArbiter(
-        ["a", "b", PLAIN],
-        start="a",
-        plain=PLAIN,
-        priors={"a": 30.0, "b": 30.0},
-        acceptance={"a": 3.0, "b": 3.0},
-        costs=costs,
-    )
-    for _ in range(4):
-        arb.record("a", 6, 0.1, 6)  # twice its usual tokens: an easy prompt for drafters
-    # 4 rounds at 6 tokens shrunk towards its earlier 3 by 2 pseudo-rounds: 5 tokens, 5/3 of b's prior.
-    assert arb.forecast("a") == pytest.approx(50.0)
-    assert arb.forecast("b") == pytest.approx(50.0)
-    unshrunk = ForecastArbiter(
-        ["a", "b", PLAIN],
-        start="a",
-        plain=PLAIN,
-        priors={"a": 30.0, "b": 30.0},
-        acceptance={"a": 3.0, "b": 3.0},
-        costs=book({"a": 0.1, "b": 0.1, PLAIN: 0.05}),
-        config=ForecastConfig(prior_rounds=0),
-    )
-    for _ in range(4):
-        unshrunk.record("a", 6, 0.1, 6)
-    assert unshrunk.forecast("b") == pytest.approx(60.0)
+    forecasts = {}
+    for shrink in (2.0, 0.0):
+        costs = book({"a": 0.1, "b": 0.1, PLAIN: 0.05})
+        arb = ForecastArbiter(
+            ["a", "b", PLAIN],
+            start="a",
+            plain=PLAIN,
+            priors={"a": 30.0, "b": 30.0},
+            acceptance={"a": 3.0, "b": 3.0},
+            costs=costs,
+            config=ForecastConfig(prior_rounds=shrink),
+        )
+        for _ in range(4):
+            arb.record("a", 6, 0.1, 6)  # twice its usual tokens: an easy prompt for drafters
+        forecasts[shrink] = (arb.forecast("a"), arb.forecast("b"))
+    # 4 rounds at 6 tokens shrunk towards its earlier 3 by 2 pseudo-rounds: 5 tokens, 5/3 of b's prior; unshrunk 6.
+    assert forecasts[2.0] == pytest.approx((50.0, 50.0))
+    assert forecasts[0.0] == pytest.approx((60.0, 60.0))
     assert ForecastArbiter(["a"], start="a", costs=costs).forecast("a") == pytest.approx(0.0)
 
 
