@@ -121,15 +121,17 @@ def _interleaved_medians(
     repeats: int,
     steps: _Steps,
     label: Callable[[K], str],
+    *,
+    weight: float = 1.0,
 ) -> dict[K, float]:
     """The median seconds of each call, its repeats taken in turns (all keys once, then all again).
 
     Timing one width's repeats back to back lets a passing load on a shared host land on that width alone:
     a 1.5B calibration once timed its 1-row verify at 0.170 s against 0.252 s in every other run, and the
     cap policy, seeing drafts that looked dear beside so cheap a step, paused speculation. In turns, a load
-    spike costs every width one sample and the medians drop it.
+    spike costs every width one sample and the medians drop it. `weight`: the progress steps a key is worth.
     """
-    weight = 1.0 / max(warmup + repeats, 1)
+    share = weight / max(warmup + repeats, 1)  # of one progress step per key
     samples: dict[K, list[float]] = {k: [] for k in calls}
     for i in range(warmup + repeats):
         for key, fn in calls.items():
@@ -137,7 +139,7 @@ def _interleaved_medians(
             fn(i)
             if i >= warmup:
                 samples[key].append(clock.now() - t0)
-            steps.tick(label(key), weight)
+            steps.tick(label(key), share)
     return {k: float(statistics.median(v)) if v else 0.0 for k, v in samples.items()}
 
 
@@ -277,6 +279,25 @@ def measure_verify(
     overhead = measure_overhead(target, stream, clock, plan.overhead_tokens, depth)
     steps.tick("round overhead")
 
+    edges = sorted({1, max_width})
+
+    def deep_series() -> dict[int, float]:
+        target.reset(0)
+        target.prefill(list(stream[:deep]), GREEDY, 0.5)
+        return _interleaved_medians(
+            clock,
+            {w: _verify_call(target, stream, deep, w) for w in edges},
+            plan.warmup,
+            plan.repeats,
+            steps,
+            lambda w: f"context slope (width {w})",
+            weight=0.5,
+        )
+
+    # The deep points are timed twice, before and after the shallow ones, and the faster of each kept: timed
+    # once, a load passing over them alone read as a slope 100x too steep (the 1.5B: 2.4e-3 s a context token
+    # against 2e-5), which took half of every verify's cost off the curve and put it on the context.
+    before = deep_series() if deep > depth else {}
     target.reset(0)
     target.prefill(list(stream[:depth]), GREEDY, 0.5)
     shallow = _interleaved_medians(
@@ -287,16 +308,10 @@ def measure_verify(
         steps,
         lambda w: f"verify width {w}/{max_width}",
     )
-
     slope = 0.0
     if deep > depth:
-        target.reset(0)
-        target.prefill(list(stream[:deep]), GREEDY, 0.5)
-        slopes = []
-        for w in sorted({1, max_width}):
-            seconds = _median_seconds(clock, _verify_call(target, stream, deep, w), plan.warmup, plan.repeats)
-            slopes.append((seconds - shallow[w]) / (deep - depth))
-            steps.tick(f"context slope (width {w})")
+        after = deep_series()
+        slopes = [(min(before[w], after[w]) - shallow[w]) / (deep - depth) for w in edges]
         slope = max(0.0, statistics.median(slopes))
     target.reset(0)
     # The curve is stored at depth 0; round_seconds adds slope × depth back. Never let a noisy slope

@@ -243,15 +243,16 @@ class ForecastArbiter:
         if name != self.running:  # the caller ran another candidate: follow it
             self._begin(name)
         self._stint += 1
-        first = self._stint == 1
-        if not first and seconds > 0:  # the first round of a stint pays the switch: not this source's steady cost
+        timed = self._stint > 1 and seconds > 0  # the first round of a stint pays the switch: not its steady cost
+        if timed:
             self.costs.observe(name, drafted, seconds)
-        if name != self.plain and (seconds > 0 or first):
-            # Its tokens count from the first round on (the switch costs time, not acceptance); its seconds are
-            # the book's (robust, and the modelled ones for a frozen book), not this round's.
+        # A stint's first round counts its tokens too (the switch costs time, not acceptance) once the book has
+        # timed this source's rounds: until then its seconds would be a seed, not a measurement. The seconds are
+        # the book's (robust, and the modelled ones for a frozen book), not this round's.
+        if name != self.plain and (timed or (self._stint == 1 and self.costs.knows(name))):
             cost = self.costs.seconds(name, drafted)
             self._est.setdefault(name, _Estimate()).add(tokens, cost, drafted, self.config.alpha, self._round)
-        if not first and seconds > 0:
+        if timed:
             self._measured_in_stint += 1
 
     def shadow(self, name: str, tokens: int, drafted: int) -> None:

@@ -126,17 +126,22 @@ def _spiking(cost: Callable[..., float], start: int, length: int = 3, extra: flo
     return charged
 
 
-def test_a_passing_load_spike_moves_no_point_of_a_curve() -> None:
+@pytest.mark.parametrize("deep", [32, 160])
+def test_a_passing_load_spike_moves_no_point_of_a_curve(deep: int) -> None:
     # The repeats of every width are taken in turns, so a spike of 3 consecutive calls costs each width at
-    # most one of its 3 samples and every median drops it, wherever the spike falls. (Timed width by width,
+    # most one of its 3 samples and every median drops it, wherever the spike falls; the deep points (the
+    # context slope) are timed before and after the shallow ones and the faster kept. (Timed width by width,
     # a spike over one width's repeats moved that width alone: the 1.5B's 1-row verify once read 0.170 s
-    # against 0.252 s, and the cap policy paused speculation.)
-    plan = CalibrationPlan(depth=32, deep_depth=32, repeats=3, overhead_tokens=4)  # no slope: every call shallow
-    base_verify, base_draft = flat(0.05), (lambda cap: 0.002 * cap)
-    calls = 80  # more than the calibration makes of either kind
+    # against 0.252 s and the cap policy paused speculation; over the deep points it made the slope 100x steep.)
+    plan = CalibrationPlan(depth=32, deep_depth=deep, repeats=3, overhead_tokens=4)
+    base_verify, base_draft = flat(0.05, per_depth=1e-4), (lambda cap: 0.002 * cap)
+    calls = 100  # more than the calibration makes of either kind
     for start in range(calls):
         clock, target = timed_target(_spiking(base_verify, start))
         source = TimedSource(target, _spiking(base_draft, start), block=7, name="fast")
         c = calibrate_sources(loaded(target), {"fast": source}, clock, plan=plan)["fast"]
-        assert c.verify_s == pytest.approx({w: base_verify(w, 0) for w in range(1, 9)}, abs=1e-9), start
+        slope = 1e-4 if deep > 32 else 0.0
+        want = {w: base_verify(w, 0) + (0.0 if slope else 1e-4 * 32) for w in range(1, 9)}
+        assert c.slope_s_per_token == pytest.approx(slope, abs=1e-9), start
+        assert c.verify_s == pytest.approx(want, abs=1e-9), start
         assert c.draft_s == pytest.approx({k: base_draft(k) for k in range(1, 8)}, abs=1e-9), start

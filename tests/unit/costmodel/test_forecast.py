@@ -322,3 +322,8 @@ def test_a_stints_first_round_counts_its_tokens_but_not_its_seconds() -> None:
     assert arb.forecast("a") == pytest.approx(80.0)  # 8 tokens at the book's 0.1 s
     assert costs.seconds("a", 6) == pytest.approx(0.1)  # the stall taught the book nothing
     assert arb.decide() is None  # and it was no measured round of the stint: no verdict yet
+    # A source the book never timed: its seconds would be a seed, so its first round teaches nothing yet.
+    fresh = CostBook(lambda name, drafted: 1.0)
+    new = ForecastArbiter(["a", PLAIN], start="a", plain=PLAIN, priors={"a": 30.0}, costs=fresh)
+    new.record("a", 8, 5.0, 6)
+    assert new.forecast("a") == pytest.approx(30.0) and new.measured() == {}
