@@ -103,17 +103,6 @@ def measured_widths(max_width: int, dense: int = 12) -> list[int]:
     return sorted(set(widths))
 
 
-def _median_seconds(clock: Clock, fn: Callable[[int], None], warmup: int, repeats: int) -> float:
-    for i in range(warmup):
-        fn(i)
-    samples = []
-    for i in range(repeats):
-        t0 = clock.now()
-        fn(warmup + i)
-        samples.append(clock.now() - t0)
-    return float(statistics.median(samples))
-
-
 def _interleaved_medians(
     clock: Clock,
     calls: Mapping[K, Callable[[int], None]],
