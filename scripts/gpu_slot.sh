@@ -10,6 +10,7 @@
 #                                                     schedule (resumes what an earlier call left), pack curve + logs
 #   bash scripts/gpu_slot.sh pack NAME...             checkpoints back (<= 15 MiB pieces) with the curve and logs;
 #                                                     PIECES=0-3 sends only those pieces (a 1.5B drafter: ~8)
+#   bash scripts/gpu_slot.sh gen-profile [--batches 1024,2048]  a generation step's parts (forward, sampler)
 #   bash scripts/gpu_slot.sh status                   what is staged and trained
 #
 # $HOME persists between calls while the machine stays warm; results go to $OUT. Environment overrides for a CPU dry
@@ -107,6 +108,11 @@ case ${1:-status} in
     echo "train exit $?"
     distill curve --variants "$variants"
     pack_small; for n in ${PACK:-}; do pack_ckpt "$n"; done; check_out
+    ;;
+  gen-profile)
+    # One generation step's parts on the staged target (scripts/gen_profile.py): forward, greedy, sampler with
+    # and without the nucleus sort, at each batch; tells the data call its batch and whether to skip the sort.
+    shift; timeout -k 20 300 "$PY" "$REPO/scripts/gen_profile.py" --model "$H/target" "$@"
     ;;
   pack)
     shift; for n in "$@"; do pack_ckpt "$n"; done; pack_small; check_out
