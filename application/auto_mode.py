@@ -379,8 +379,10 @@ class _AutoCap:
             return cap
         return cap if cap > 0 else self._floor
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
-        decision = self.inner.observe(drafted, accepted, seconds, depth)
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None
+    ) -> CapDecision | None:
+        decision = self.inner.observe(drafted, accepted, seconds, depth, cap)
         self.paused = decision is not None and decision.new == 0
         return decision
 

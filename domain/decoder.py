@@ -381,7 +381,7 @@ class RequestDecoder:
             )
         )
         if self._current.source is not None:
-            decision = self._policy.observe(len(block), verdict.accepted, t2 - t0, depth)
+            decision = self._policy.observe(len(block), verdict.accepted, t2 - t0, depth, cap)
             if decision is not None:
                 self._emit(CapChanged(old=decision.old, new=decision.new, reason=decision.reason))
         self._index += 1

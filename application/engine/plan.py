@@ -52,13 +52,15 @@ class GatedCap:
             return self.inner.cap(depth)
         return min(self.gate.cap, self.max_cap)
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None
+    ) -> CapDecision | None:
         # A batched round's seconds are a shared tick's (every row's drafts, one wide forward): they say nothing
         # about this row's solo round, so the row's own model learns only from its solo rounds. The gate may
         # have changed since the round's cap was chosen (the batch shrank to one): what counts is who chose it.
         if self.planned:
             return None
-        return self.inner.observe(drafted, accepted, seconds, depth)
+        return self.inner.observe(drafted, accepted, seconds, depth, cap)
 
 
 class WidthPlan:

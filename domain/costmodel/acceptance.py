@@ -47,11 +47,18 @@ class AcceptanceStats:
 
 @attrs.define
 class EwmaAcceptance:
-    """Exponentially weighted per-position conditional acceptance for online cap decisions."""
+    """Exponentially weighted per-position conditional acceptance for online cap decisions.
+
+    Only position 0 starts from `prior`. A deeper position starts from the estimate of the one before it:
+    positions past the cap in force are never tried, and a flat prior there (below what a draft model
+    accepts once its first drafts hold) kept the cap short for a whole request. An EWMA keeps (1 − α)^n of
+    its starting value after n outcomes, so that share follows the position before as it learns.
+    """
 
     prior: float = 0.7
     alpha: float = 0.1
     positions: int = 16
+    inherit: bool = True  # deeper positions start from the position before, not from `prior`
     values: list[float] = attrs.field(init=False)
     seen: list[int] = attrs.field(init=False)  # outcomes recorded per position
 
@@ -66,7 +73,12 @@ class EwmaAcceptance:
             self.seen[i] += 1
 
     def estimate(self) -> list[float]:
-        return list(self.values)
+        out: list[float] = []
+        for i, (value, seen) in enumerate(zip(self.values, self.seen, strict=True)):
+            if i and self.inherit:
+                value += (1.0 - self.alpha) ** seen * (out[-1] - self.prior)
+            out.append(min(1.0, max(0.0, value)))
+        return out
 
     def lower(self, z: float = 1.0) -> list[float]:
         """The estimate less `z` standard errors per position: an EWMA weighs about (2 - α) / α outcomes
@@ -74,7 +86,7 @@ class EwmaAcceptance:
         that wins only on the margin."""
         window = (2.0 - self.alpha) / self.alpha
         out = []
-        for value, seen in zip(self.values, self.seen):
+        for value, seen in zip(self.estimate(), self.seen, strict=True):
             n = min(float(seen), window) + 1.0
             out.append(max(0.0, value - z * math.sqrt(value * (1.0 - value) / n)))
         return out
@@ -117,4 +129,41 @@ class DecayedAcceptance:
         for value, tries in zip(self.estimate(), self.tries, strict=True):
             n = tries + self.prior_weight
             out.append(max(0.0, value - z * math.sqrt(value * (1.0 - value) / n)))
+        return out
+
+
+@attrs.define
+class EwmaContinuation:
+    """How far a source drafts when its cap allows more: per position i, the chance that draft i is made given
+    draft i − 1 was (position 0: that the round drafts at all), as an EWMA starting at 1.
+
+    A draft model's confidence stop ends a block early, a lookup proposes only as far as its match goes: a
+    round of cap k then costs the drafts really made, not k. Only positions the cap allowed are counted, so a
+    block that ended at its cap says nothing about going further. A source that always fills its cap keeps
+    every value at 1, and the cost model reduces to full blocks.
+    """
+
+    alpha: float = 0.1
+    positions: int = 16
+    values: list[float] = attrs.field(init=False)
+    seen: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.values = [1.0] * self.positions
+        self.seen = [0] * self.positions
+
+    def record(self, drafted: int, cap: int) -> None:
+        """One round: `drafted` drafts made where `cap` were allowed."""
+        for i in range(min(cap, drafted + 1, self.positions)):
+            made = 1.0 if i < drafted else 0.0
+            self.values[i] += self.alpha * (made - self.values[i])
+            self.seen[i] += 1
+
+    def estimate(self) -> list[float]:
+        """Per position; one seldom allowed leans on the position before, as `EwmaAcceptance` does."""
+        out: list[float] = []
+        for i, (value, seen) in enumerate(zip(self.values, self.seen, strict=True)):
+            if i:
+                value += (1.0 - self.alpha) ** seen * (out[-1] - 1.0)
+            out.append(min(1.0, max(0.0, value)))
         return out

@@ -7,8 +7,8 @@ from typing import Protocol
 
 import attrs
 
-from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance
-from mlx_dspark.domain.costmodel.curves import CostCurves, expected_tokens
+from mlx_dspark.domain.costmodel.acceptance import EwmaAcceptance, EwmaContinuation
+from mlx_dspark.domain.costmodel.curves import CostCurves
 from mlx_dspark.domain.tokens import SamplingParams
 
 
@@ -26,7 +26,11 @@ class CapPolicy(Protocol):
 
     def cap(self, depth: int) -> int: ...
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None: ...
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None
+    ) -> CapDecision | None:
+        """One round's outcome: `drafted` of the `cap` drafts allowed (None: the cap last handed out)."""
+        ...
 
 
 @attrs.define
@@ -38,7 +42,9 @@ class FixedCap:
     def cap(self, depth: int) -> int:
         return self.value
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None
+    ) -> CapDecision | None:
         return None
 
 
@@ -84,16 +90,39 @@ def corrected_rate(
     acceptance: Sequence[float],
     correction: RoundTimeCorrection,
     depth: int = 0,
+    continuation: Sequence[float] = (),
 ) -> float:
-    """Expected tokens per second at `cap`, with the round time rescaled by observed ÷ predicted."""
-    seconds = curves.round_seconds(cap, depth) * correction.factor(cap + 1)
+    """Expected tokens per second at `cap`, with the round time rescaled by observed ÷ predicted.
+
+    `continuation` (`EwmaContinuation`) says how often the source drafts on at each position: a round of cap
+    `cap` then drafts d < cap with some probability and costs a round of d. Empty: every block fills its cap.
+    """
+
+    def seconds_at(drafted: int) -> float:
+        return curves.round_seconds(drafted, depth) * correction.factor(drafted + 1)
+
+    tokens, seconds = 1.0, 0.0
+    reach = 1.0  # P(drafts 0..i-1 are made)
+    held = 1.0  # P(drafts 0..i are all accepted | made)
+    for i in range(cap):
+        go = continuation[min(i, len(continuation) - 1)] if continuation else 1.0
+        made = reach * go
+        seconds += (reach - made) * seconds_at(i)  # the round stops after i drafts
+        held *= acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
+        tokens += made * held
+        reach = made
+    seconds += reach * seconds_at(cap)
     if seconds <= 0:
         return float("inf")
-    return expected_tokens(cap, acceptance) / seconds
+    return tokens / seconds
 
 
 def _prior_acceptance(policy: MeasuredCap) -> EwmaAcceptance:
     return EwmaAcceptance(positions=max(policy.max_cap, 1))
+
+
+def _full_blocks(policy: MeasuredCap) -> EwmaContinuation:
+    return EwmaContinuation(positions=max(policy.max_cap, 1))
 
 
 @attrs.define
@@ -117,6 +146,7 @@ class MeasuredCap:
     curves: CostCurves
     max_cap: int
     acceptance: EwmaAcceptance = attrs.Factory(_prior_acceptance, takes_self=True)
+    continuation: EwmaContinuation = attrs.Factory(_full_blocks, takes_self=True)
     correction: RoundTimeCorrection = attrs.Factory(RoundTimeCorrection)
     probe_every: int = 16
     probe_cap: int = 2
@@ -126,6 +156,7 @@ class MeasuredCap:
     _announced: bool = attrs.field(init=False, default=False)
     _paused_rounds: int = attrs.field(init=False, default=0)
     _spec_rounds: int = attrs.field(init=False, default=0)
+    _last: int = attrs.field(init=False, default=0)  # the cap last handed out
 
     def __attrs_post_init__(self) -> None:
         if self.max_cap < 0:
@@ -133,7 +164,9 @@ class MeasuredCap:
 
     def rate(self, cap: int, depth: int) -> float:
         """Expected tokens per second at `cap` under what has been observed so far."""
-        return corrected_rate(self.curves, cap, self.acceptance.estimate(), self.correction, depth)
+        return corrected_rate(
+            self.curves, cap, self.acceptance.estimate(), self.correction, depth, self.continuation.estimate()
+        )
 
     def _decide(self, depth: int) -> int:
         best, best_rate = 0, self.rate(0, depth)
@@ -151,6 +184,10 @@ class MeasuredCap:
         return best
 
     def cap(self, depth: int) -> int:
+        self._last = self._next_cap(depth)
+        return self._last
+
+    def _next_cap(self, depth: int) -> int:
         if self._current < 0:
             self._current = self._decide(depth)
         if self._current == 0:
@@ -165,9 +202,14 @@ class MeasuredCap:
             return 0
         return self._current
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None
+    ) -> CapDecision | None:
         if drafted > 0:
             self.acceptance.record(drafted, accepted)
+        allowed = self._last if cap is None else cap
+        if allowed > 0:
+            self.continuation.record(drafted, allowed)
         self.correction.record(drafted + 1, seconds, self.curves.round_seconds(drafted, depth))
         old = self._current if self._announced else self.max_cap
         new = self._decide(depth)
@@ -206,8 +248,10 @@ class ModelledSeconds:
     def cap(self, depth: int) -> int:
         return self.inner.cap(depth)
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> CapDecision | None:
-        return self.inner.observe(drafted, accepted, self.curves.round_seconds(drafted, depth), depth)
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None
+    ) -> CapDecision | None:
+        return self.inner.observe(drafted, accepted, self.curves.round_seconds(drafted, depth), depth, cap)
 
 
 def repeatable(policy: CapPolicy, sampling: SamplingParams | None) -> CapPolicy:

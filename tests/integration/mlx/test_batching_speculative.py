@@ -169,9 +169,7 @@ def _spy_on_drafting(monkeypatch: pytest.MonkeyPatch, gen: GenerationService) ->
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
-def test_greedy_rows_draft_together_and_sampled_rows_draft_alone(
-    kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_rows_draft_together_and_sampled_rows_draft_alone(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A sampled row's q is part of its seeded output, so only greedy rows share a drafter forward; either
     # way every row's output is its solo output.
     reqs = [*requests(3, sampled=False, seed=50, max_tokens=24), *requests(1, sampled=True, seed=51, max_tokens=24)]
@@ -417,7 +415,7 @@ class _TimidCap:
     def cap(self, depth: int) -> int:
         return 1
 
-    def observe(self, drafted: int, accepted: int, seconds: float, depth: int) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float, depth: int, cap: int | None = None) -> None:
         self.observed.append(drafted)
 
 
