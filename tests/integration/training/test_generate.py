@@ -124,6 +124,43 @@ def test_greedy_and_sampled_rows_mix_and_seeds_reproduce(case: dict[str, Any]) -
     assert [a[i] for i in greedy_rows] == [case["ref"][i] for i in greedy_rows]
 
 
+def test_only_the_nucleus_lanes_are_sorted(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # 7 of 21 prompts cut a nucleus: at batch 6 they decode in 2 lanes, and a step sorts those 2 rows, not 6.
+    from mlx_dspark.adapters.mlx.training import generate
+
+    steps: list[tuple[int, bool]] = []
+    refilling = [False]  # the next draw samples a refill's first tokens, not a step's
+    last_logits = generate._last_logits
+
+    def refill_logits(*args: Any) -> mx.array:
+        refilling[0] = True
+        return last_logits(*args)
+
+    def recording(logits: mx.array, temps: mx.array, tops: mx.array, key: mx.array, *, nucleus: bool) -> mx.array:
+        if not refilling[0]:
+            steps.append((logits.shape[0], nucleus))
+        refilling[0] = False
+        return sample_rows(logits, temps, tops, key, nucleus=nucleus)
+
+    monkeypatch.setattr(generate, "sample_rows", recording)
+    monkeypatch.setattr(generate, "_last_logits", refill_logits)
+    temps = [0.9 if i % 3 == 0 else 0.0 for i in range(len(case["prompts"]))]
+    out = generate_responses(
+        case["model"],
+        case["prompts"],
+        eos_ids=sorted(case["eos"]),
+        max_new_tokens=28,
+        batch=6,
+        temperatures=temps,
+        top_p=0.8,
+        seed=4,
+    )
+    assert all(r is not None for r in out)
+    assert set(steps) == {(2, True), (4, False)} and len(steps) >= 40
+    greedy_rows = [i for i, t in enumerate(temps) if t == 0]
+    assert [out[i] for i in greedy_rows] == [case["ref"][i] for i in greedy_rows]
+
+
 def test_a_deadline_stops_new_prompts() -> None:
     model = tiny_model("llama", seed=1)
     prompts = _prompts(12, 5)
