@@ -73,12 +73,9 @@ class EwmaAcceptance:
             self.seen[i] += 1
 
     def estimate(self) -> list[float]:
-        out: list[float] = []
-        for i, (value, seen) in enumerate(zip(self.values, self.seen, strict=True)):
-            if i and self.inherit:
-                value += (1.0 - self.alpha) ** seen * (out[-1] - self.prior)
-            out.append(min(1.0, max(0.0, value)))
-        return out
+        if not self.inherit:
+            return list(self.values)
+        return _lean_on_previous(self.values, self.seen, self.alpha, self.prior)
 
     def lower(self, z: float = 1.0) -> list[float]:
         """The estimate less `z` standard errors per position: an EWMA weighs about (2 - α) / α outcomes
@@ -161,9 +158,15 @@ class EwmaContinuation:
 
     def estimate(self) -> list[float]:
         """Per position; one seldom allowed leans on the position before, as `EwmaAcceptance` does."""
-        out: list[float] = []
-        for i, (value, seen) in enumerate(zip(self.values, self.seen, strict=True)):
-            if i:
-                value += (1.0 - self.alpha) ** seen * (out[-1] - 1.0)
-            out.append(min(1.0, max(0.0, value)))
-        return out
+        return _lean_on_previous(self.values, self.seen, self.alpha, 1.0)
+
+
+def _lean_on_previous(values: list[float], seen: list[int], alpha: float, start: float) -> list[float]:
+    """EWMAs that all started at `start`, re-read as if each past the first had started at the estimate before
+    it: an EWMA keeps (1 − α)^n of its starting value after n outcomes, so that share is swapped."""
+    out: list[float] = []
+    for i, (value, n) in enumerate(zip(values, seen, strict=True)):
+        if i:
+            value += (1.0 - alpha) ** n * (out[-1] - start)
+        out.append(min(1.0, max(0.0, value)))
+    return out
