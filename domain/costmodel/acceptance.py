@@ -75,7 +75,12 @@ class EwmaAcceptance:
     def estimate(self) -> list[float]:
         if not self.inherit:
             return list(self.values)
-        return _lean_on_previous(self.values, self.seen, self.alpha, self.prior)
+        out: list[float] = []
+        for i, (value, n) in enumerate(zip(self.values, self.seen, strict=True)):
+            if i:  # swap the (1 − α)^n share of the prior for the estimate of the position before
+                value += (1.0 - self.alpha) ** n * (out[-1] - self.prior)
+            out.append(min(1.0, max(0.0, value)))
+        return out
 
     def lower(self, z: float = 1.0) -> list[float]:
         """The estimate less `z` standard errors per position: an EWMA weighs about (2 - α) / α outcomes
@@ -130,43 +135,19 @@ class DecayedAcceptance:
 
 
 @attrs.define
-class EwmaContinuation:
+class EwmaContinuation(EwmaAcceptance):
     """How far a source drafts when its cap allows more: per position i, the chance that draft i is made given
     draft i − 1 was (position 0: that the round drafts at all), as an EWMA starting at 1.
 
     A draft model's confidence stop ends a block early, a lookup proposes only as far as its match goes: a
     round of cap k then costs the drafts really made, not k. Only positions the cap allowed are counted, so a
     block that ended at its cap says nothing about going further. A source that always fills its cap keeps
-    every value at 1, and the cost model reduces to full blocks.
+    every value at 1, and the cost model reduces to full blocks. It is `EwmaAcceptance`'s estimate over another
+    outcome: position i is tried when the cap allowed it and draft i − 1 was made, and holds when draft i was.
     """
 
-    alpha: float = 0.1
-    positions: int = 16
-    values: list[float] = attrs.field(init=False)
-    seen: list[int] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.values = [1.0] * self.positions
-        self.seen = [0] * self.positions
+    prior: float = 1.0
 
     def record(self, drafted: int, cap: int) -> None:
         """One round: `drafted` drafts made where `cap` were allowed."""
-        for i in range(min(cap, drafted + 1, self.positions)):
-            made = 1.0 if i < drafted else 0.0
-            self.values[i] += self.alpha * (made - self.values[i])
-            self.seen[i] += 1
-
-    def estimate(self) -> list[float]:
-        """Per position; one seldom allowed leans on the position before, as `EwmaAcceptance` does."""
-        return _lean_on_previous(self.values, self.seen, self.alpha, 1.0)
-
-
-def _lean_on_previous(values: list[float], seen: list[int], alpha: float, start: float) -> list[float]:
-    """EWMAs that all started at `start`, re-read as if each past the first had started at the estimate before
-    it: an EWMA keeps (1 − α)^n of its starting value after n outcomes, so that share is swapped."""
-    out: list[float] = []
-    for i, (value, n) in enumerate(zip(values, seen, strict=True)):
-        if i:
-            value += (1.0 - alpha) ** n * (out[-1] - start)
-        out.append(min(1.0, max(0.0, value)))
-    return out
+        super().record(cap, drafted)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -107,7 +107,8 @@ def corrected_rate(
     for i in range(cap):
         go = continuation[min(i, len(continuation) - 1)] if continuation else 1.0
         made = reach * go
-        seconds += (reach - made) * seconds_at(i)  # the round stops after i drafts
+        if made < reach:
+            seconds += (reach - made) * seconds_at(i)  # the round stops after i drafts
         held *= acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
         tokens += made * held
         reach = made
@@ -164,21 +165,25 @@ class MeasuredCap:
 
     def rate(self, cap: int, depth: int) -> float:
         """Expected tokens per second at `cap` under what has been observed so far."""
-        return corrected_rate(
-            self.curves, cap, self.acceptance.estimate(), self.correction, depth, self.continuation.estimate()
-        )
+        return self._rates(depth)(cap)
+
+    def _rates(self, depth: int) -> Callable[[int], float]:
+        """Expected tokens per second by cap, the estimates read once (a decision prices every cap)."""
+        acceptance, continuation = self.acceptance.estimate(), self.continuation.estimate()
+        return lambda cap: corrected_rate(self.curves, cap, acceptance, self.correction, depth, continuation)
 
     def _decide(self, depth: int) -> int:
-        best, best_rate = 0, self.rate(0, depth)
+        rate_of = self._rates(depth)
+        best, best_rate = 0, rate_of(0)
         for cap in range(1, self.max_cap + 1):
-            rate = self.rate(cap, depth)
+            rate = rate_of(cap)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = cap, rate
         # Stay put unless the winner is clearly better: rates are noisy and flapping costs a re-plan.
         if (
             0 <= self._current <= self.max_cap
             and best != self._current
-            and best_rate <= self.rate(self._current, depth) * (1 + self.hysteresis)
+            and best_rate <= rate_of(self._current) * (1 + self.hysteresis)
         ):
             return self._current
         return best

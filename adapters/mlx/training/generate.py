@@ -277,10 +277,10 @@ def generate_responses(
         parts = [free[free < lanes], free[free >= lanes]] if len(queues) == 2 else [free]
         return [part[: len(q) - h] for part, q, h in zip(parts, queues, heads, strict=True)]
 
-    def refill(free: np.ndarray, tokens: mx.array) -> mx.array:
-        """Prefill the next prompts into `free` rows; returns `tokens` with their first tokens set."""
+    def refill(parts: list[np.ndarray], tokens: mx.array) -> mx.array:
+        """Prefill the next prompts into the rows of `parts` (`fillable`'s lanes); returns `tokens` with their
+        first tokens set."""
         nonlocal key, temps_d, tops_d
-        parts = fillable(free)
         take = []
         for lane, part in enumerate(parts):
             take += [int(i) for i in queues[lane][heads[lane] : heads[lane] + len(part)]]
@@ -317,7 +317,7 @@ def generate_responses(
         tokens[where] = first
         return tokens
 
-    tokens = refill(np.arange(batch), mx.zeros((batch,), dtype=mx.int32))
+    tokens = refill(fillable(np.arange(batch)), mx.zeros((batch,), dtype=mx.int32))
     mx.eval(tokens, *[a for c in caches for a in c.state])
     while True:
         active = owner >= 0
@@ -361,9 +361,10 @@ def generate_responses(
         out_of_time = deadline is not None and time.monotonic() > deadline
         if out_of_time:
             heads = [len(q) for q in queues]  # start nothing new; finish the rows in flight
-        ready = sum(len(part) for part in fillable(free))
+        parts = fillable(free)
+        ready = sum(len(part) for part in parts)
         if ready and (ready >= refill_min or len(free) == batch):
-            tokens = refill(free, tokens)
+            tokens = refill(parts, tokens)
     if progress is not None:
         progress(done, n, produced)
     return out
