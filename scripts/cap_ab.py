@@ -3,7 +3,8 @@ trial in turns (the same model object, source, calibrated curves and BLAS), so h
 
     .venv/bin/python scripts/cap_ab.py --model qwen2.5-coder-1.5b --mode draft --per-class 2 --max-tokens 64
 
-Policies: `measured` (today's MeasuredCap), `flat` (the policy before 2026-12-07: positions past the cap start at
+Policies: `measured` (today's MeasuredCap), `leap` (the same without its growth bound: a decision may reach any
+cap, the policy of 2026-12-07's afternoon), `flat` (the policy before 2026-12-07: positions past the cap start at
 the flat prior, every block priced as if it filled its cap) and `fixed:N`. Prints one line per run and, per
 policy, the median of its decode tok/s over plain decoding's on the same prompt and trial, and its tokens a
 round. Lab tool; greedy, every output checked against plain decoding's.
@@ -38,6 +39,14 @@ class _FullBlocks(EwmaContinuation):
 def _factory(name: str, measured: Callable[[], CapPolicy]) -> Callable[[], CapPolicy]:
     if name == "measured":
         return measured
+    if name == "leap":
+
+        def leap() -> CapPolicy:
+            base = measured()
+            assert isinstance(base, MeasuredCap)
+            return attrs.evolve(base, grow_by=None)
+
+        return leap
     if name.startswith("fixed:"):
         return lambda: FixedCap(int(name.split(":")[1]))
     if name == "flat":
@@ -51,6 +60,7 @@ def _factory(name: str, measured: Callable[[], CapPolicy]) -> Callable[[], CapPo
                 max_cap=base.max_cap,
                 acceptance=EwmaAcceptance(positions=n, inherit=False),
                 continuation=_FullBlocks(positions=n),
+                grow_by=None,
             )
 
         return flat
@@ -87,6 +97,7 @@ def main() -> int:
     run(plain, prompts[0].prompt, 8)
     ratios: dict[str, list[float]] = {n: [] for n in selectors}
     per_round: dict[str, list[float]] = {n: [] for n in selectors}
+    drafted: dict[str, list[int]] = {n: [] for n in selectors}
     for trial in range(args.trials):
         for pr in prompts:
             base = run(plain, pr.prompt, args.max_tokens)
@@ -98,15 +109,16 @@ def main() -> int:
                     print(f"{pr.id} {name}: OUTPUT DIFFERS FROM PLAIN DECODING", file=sys.stderr)
                 ratios[name].append(r.tokens_per_second / base.tokens_per_second)
                 per_round[name].append(r.mean_accepted)
+                drafted[name].append(r.drafted)
                 print(
                     f"{pr.id} t{trial} {name}: {r.tokens_per_second:.2f} tok/s ({ratios[name][-1]:.2f}x plain "
-                    f"{base.tokens_per_second:.2f}), {r.mean_accepted:.2f} a round",
+                    f"{base.tokens_per_second:.2f}), {r.mean_accepted:.2f} a round, {r.drafted} drafted",
                     flush=True,
                 )
     for name in selectors:
         print(
             f"{name}: {statistics.median(ratios[name]):.3f}x plain (median), "
-            f"{statistics.mean(per_round[name]):.2f} tokens a round",
+            f"{statistics.mean(per_round[name]):.2f} tokens a round, {sum(drafted[name])} drafted",
             flush=True,
         )
     return 0

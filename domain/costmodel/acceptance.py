@@ -72,6 +72,10 @@ class EwmaAcceptance:
             self.values[i] += self.alpha * (hit - self.values[i])
             self.seen[i] += 1
 
+    def tried(self) -> int:
+        """Leading positions with at least one outcome (position i is tried only once i − 1 was)."""
+        return next((i for i, n in enumerate(self.seen) if n == 0), self.positions)
+
     def estimate(self) -> list[float]:
         if not self.inherit:
             return list(self.values)

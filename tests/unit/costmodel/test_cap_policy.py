@@ -176,12 +176,12 @@ def test_a_cap_policy_is_not_held_short_by_positions_it_never_tried() -> None:
     best = max(range(BLOCK + 1), key=rate)
     assert best >= 4
 
-    def achieved(inherit: bool) -> float:
+    def achieved(inherit: bool, grow_by: int | None = None) -> float:
         rates = []
         for seed in range(20):
             rng = random.Random(seed)
             acceptance = EwmaAcceptance(positions=BLOCK, inherit=inherit)
-            policy = MeasuredCap(curves=DRAFT_MODEL, max_cap=BLOCK, acceptance=acceptance)
+            policy = MeasuredCap(curves=DRAFT_MODEL, max_cap=BLOCK, acceptance=acceptance, grow_by=grow_by)
             tokens = seconds = 0.0
             for _ in range(60):
                 cap = policy.cap(0)
@@ -198,6 +198,8 @@ def test_a_cap_policy_is_not_held_short_by_positions_it_never_tried() -> None:
     assert achieved(False) < 0.92 * rate(best)
     assert achieved(True) > 0.95 * rate(best)
     assert achieved(True) > 1.04 * achieved(False)
+    # Growing one untried position at a time (the default) still gets there.
+    assert achieved(True, grow_by=1) > 0.95 * rate(best)
 
 
 def test_a_stopping_source_is_priced_by_the_drafts_it_makes() -> None:
@@ -227,3 +229,28 @@ def test_full_blocks_keep_the_old_rate() -> None:
             )
             < 1e-12
         )
+
+
+def test_a_decision_grows_the_cap_one_untried_position_at_a_time() -> None:
+    # Twenty cap-3 rounds whose drafts all held: positions 3.. are untried and borrow position 2's estimate, so
+    # a long block looks best; the policy may reach only one position past the cap and what it has seen.
+    def settled(grow_by: int | None) -> MeasuredCap:
+        policy = MeasuredCap(curves=DRAFT_MODEL, max_cap=16, acceptance=EwmaAcceptance(positions=16), grow_by=grow_by)
+        policy.cap(0)
+        for _ in range(20):
+            policy.acceptance.record(3, 3)
+            policy.continuation.record(3, 3)
+        policy._current = 3
+        return policy
+
+    assert settled(None)._decide(0) > 5  # unbounded: a bet on borrowed estimates
+    bounded = settled(1)
+    assert bounded._decide(0) == 4
+    caps = []
+    for _ in range(40):  # every draft keeps holding: the cap still grows deep, one untried position at a time
+        seen, before = bounded.acceptance.tried(), bounded._current
+        cap = bounded.cap(0)
+        assert cap <= max(before, seen) + 1
+        caps.append(cap)
+        bounded.observe(cap, cap, DRAFT_MODEL.round_seconds(cap), 0)
+    assert max(caps) >= 7, caps  # past 7 a draft gains less than the hysteresis
