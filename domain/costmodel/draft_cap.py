@@ -172,22 +172,26 @@ class MeasuredCap:
 
     def rate(self, cap: int, depth: int) -> float:
         """Expected tokens per second at `cap` under what has been observed so far."""
-        return self._rates(depth)(cap)
+        return self._rates(depth, self._frontier())(cap)
 
-    def _rates(self, depth: int) -> Callable[[int], float]:
+    def _frontier(self) -> int | None:
+        """The first untried position while the cap grows from it (None: unbounded, or no decision made yet)."""
+        return None if self.grow_by is None or self._current < 0 else self.acceptance.tried()
+
+    def _rates(self, depth: int, frontier: int | None = None) -> Callable[[int], float]:
         """Expected tokens per second by cap, the estimates read once (a decision prices every cap)."""
         acceptance, continuation = self.acceptance.estimate(), self.continuation.estimate()
-        frontier = self.acceptance.tried()
-        if self.grow_by is not None and self._current >= 0 and frontier < len(acceptance):
+        if frontier is not None and frontier < len(acceptance):
             acceptance[frontier] = 1.0  # priced as if it held, until tried: being wrong costs one draft, once
         return lambda cap: corrected_rate(self.curves, cap, acceptance, self.correction, depth, continuation)
 
     def _decide(self, depth: int) -> int:
-        rate_of = self._rates(depth)
+        frontier = self._frontier()
+        rate_of = self._rates(depth, frontier)
         best, best_rate = 0, rate_of(0)
         reach = self.max_cap
-        if self.grow_by is not None and self._current >= 0:
-            reach = max(self._current, self.acceptance.tried()) + self.grow_by
+        if frontier is not None and self.grow_by is not None:
+            reach = max(self._current, frontier) + self.grow_by
         for cap in range(1, min(self.max_cap, reach) + 1):
             rate = rate_of(cap)
             if rate > best_rate * (1 + 1e-9):
