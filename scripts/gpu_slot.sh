@@ -87,6 +87,10 @@ case ${1:-status} in
     distill pack-data --pack-to "$OUT"  # this slot's own data goes back; then earlier slots' joins the training set
     prev=$(ls "$H"/bundle/prev/*.npz 2>/dev/null | paste -sd, -)
     [ -n "$prev" ] && distill merge-data --data-file "$prev"
+    # The trainer's float32 against bfloat16 compute on this slot's data (PROFILE= skips it): the train call
+    # after it starts on the kernels this compiled (MLX_PTX_CACHE_DIR) rather than paying the JIT itself.
+    [ -n "${PROFILE-dspark-l3g}" ] && timeout -k 20 200 "$PY" "$REPO/scripts/gpu_distill.py" profile --model "$H/target" \
+      --work "$W" --variants "${PROFILE-dspark-l3g}" --profile-steps 12 $EXTRA
     pack_small; check_out
     ;;
   unpack)
