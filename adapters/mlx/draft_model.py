@@ -12,6 +12,9 @@ With one, the block ends after the first draft the draft model gave less than it
 step): the next draft would rarely survive, and on a CPU a draft step costs a third of the target's. The stop
 depends only on drafts already drawn, so the sampled law stays exact.
 
+Where plain steps run compiled (`compiled_forward.steps_enabled`: the CPU), so do its one-token steps: with a
+confidence threshold each step is read before the next is built, so the graph building is all exposed there.
+
 The draft model must score exactly the target's token ids (the application checks it): MLX's embedding lookup
 does not check bounds, so a draft id past the target's vocabulary would read memory past the table into the
 target's cache.
@@ -20,14 +23,16 @@ target's cache.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mlx_dspark.adapters.mlx import cpu_kernels, model_parts
+from mlx_dspark.adapters.mlx import compiled_forward, cpu_kernels, model_parts
+from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
 from mlx_dspark.adapters.mlx.drafters.heads import DraftVocabulary
 from mlx_dspark.adapters.mlx.drafters.source import PROPOSALS, pick
 from mlx_dspark.adapters.mlx.readback import DeviceTokens
@@ -91,6 +96,10 @@ class DraftModelSource(DraftVocabulary):
         self._cache: list[Any] | None = None
         self._ids: list[int] = []  # the tokens whose rows the cache holds, in order
         self._fed: DeviceTokens | None = None  # the last block's drafts that were fed (their ids not read yet)
+        # One-token steps as one compiled graph (shared by forks: the same weights), where plain steps compile.
+        self._compiled = (
+            CompiledForward(self._logits, lambda _layers: None) if compiled_forward.steps_enabled() else None
+        )
 
     @property
     def name(self) -> str:
@@ -199,9 +208,21 @@ class DraftModelSource(DraftVocabulary):
     def _step(self, tokens: mx.array) -> mx.array:
         """The logits over the draft vocabulary after feeding `tokens` [1, n] into the cache (the head runs on
         the last row only where the vocabulary is reduced)."""
+        compiled = self._compiled
+        if compiled is not None and tokens.shape[1] == 1 and self._cache and compiled.applies(self._cache, 1):
+            try:
+                return compiled(tokens.reshape(-1), self._cache, ())[0][0, -1]
+            except Exception as exc:  # a model MLX cannot trace: eager steps from now on
+                warnings.warn(f"compiled draft steps off for this model: {exc!r}", RuntimeWarning, stacklevel=2)
+                self._compiled = None
+        return self._logits(tokens, cache=self._cache)[0, -1]
+
+    def _logits(self, tokens: mx.array, cache: Any) -> mx.array:
+        """Logits of `tokens` [1, n] after `cache`'s rows: [1, n, V], or with the reduced head [1, 1, V_draft] of
+        the last row alone."""
         if self._head is None:
-            return self.model(tokens, cache=self._cache)[0, -1]
-        return self._head(model_parts.final_hidden(self.model, tokens, self._cache)[0, -1])
+            return cast(mx.array, self.model(tokens, cache=cache))
+        return cast(mx.array, self._head(model_parts.final_hidden(self.model, tokens, cache)[:, -1:]))
 
     def _reduced_head(self, vocab_ids: Sequence[int] | None) -> Any:
         """The head over `vocab_ids` (setting the draft → target id map), or None (the whole vocabulary): no ids,

@@ -234,8 +234,10 @@ class MlxTargetModel:
         self._kv_bits = kv_bits
         self._kv_group_size = kv_group_size
         self._buckets = key_buckets.enabled()  # fixed per process: states move between the two cache kinds
+        self._compile_verifies = compiled_forward.enabled(self._buckets)
+        self._compile_steps = compiled_forward.steps_enabled()
         self._compiled = (
-            CompiledForward(model, self._start_recording) if compiled_forward.enabled(self._buckets) else None
+            CompiledForward(model, self._start_recording) if self._compile_verifies or self._compile_steps else None
         )
         self._recorder = _Recorder()
         self._hub = self._install_taps()
@@ -606,7 +608,7 @@ class MlxTargetModel:
         self, token: mx.array, sampling: SamplingParams, uniform: float
     ) -> tuple[mx.array, mx.array | None]:
         """Forward one token (host or device array of shape [1]) and queue its pick with async_eval."""
-        logits = self._forward(token, record=self._recording)[0, -1]
+        logits = self._forward(token, record=self._recording, compiled=True)[0, -1]
         features = self._recorded() if self._recording else None
         nxt = pick_token(logits, sampling, uniform)
         if features is None:
@@ -632,8 +634,10 @@ class MlxTargetModel:
 
     def _forward(self, tokens: mx.array, record: bool, *, compiled: bool = False) -> mx.array:
         """Run tokens (ids [n]) after the cached rows; the taps record into this target when `record`.
-        `compiled`: a verify, run as the compiled graph where that applies (`compiled_forward`)."""
-        if compiled and self._compiled is not None and self._compiled.applies(self._caches, int(tokens.shape[0])):
+        `compiled`: a verify or a plain step, run as the compiled graph where that applies (`compiled_forward`)."""
+        tokens = tokens.reshape(-1)  # a queued step's input is the previous step's 0-d pick
+        if compiled and self._compiles(int(tokens.shape[0])):
+            assert self._compiled is not None
             layers = tuple(sorted(self._recorder.wanted)) if record and self._capture else ()
             try:
                 logits, features = self._compiled(tokens, self._caches, layers)
@@ -652,6 +656,13 @@ class MlxTargetModel:
         finally:
             self._recorder.active = False
             key_buckets.disarm()
+
+    def _compiles(self, rows: int) -> bool:
+        """Whether a forward of `rows` rows runs as the compiled graph: this process compiles forwards of that
+        kind (plain steps or verifies) and the caches are dense."""
+        if self._compiled is None or not (self._compile_steps if rows == 1 else self._compile_verifies):
+            return False
+        return self._compiled.applies(self._caches, rows)
 
     def _start_recording(self, layers: Sequence[int]) -> _Recorder:
         """The recorder of a traced compiled forward, its taps armed for `layers` (none: nothing recorded)."""

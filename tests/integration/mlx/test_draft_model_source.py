@@ -126,6 +126,47 @@ def test_the_rolled_back_cache_drafts_as_a_fresh_one(target: Any, kind: str) -> 
     assert block.tokens == fresh.propose(ctx, 5, SamplingParams(), []).tokens
 
 
+@pytest.mark.parametrize("vocab", [None, list(range(0, helpers.VOCAB, 2))])
+def test_compiled_draft_steps_draft_what_eager_ones_do(
+    target: Any, monkeypatch: pytest.MonkeyPatch, vocab: list[int] | None
+) -> None:
+    # On the CPU its one-token steps run as a compiled graph (as the target's plain steps do): rounds of greedy
+    # and sampled blocks, rolled back by a random amount, give the eager steps' drafts, and their q within float32
+    # rounding (the compiled step attends over the padded buffer, masked).
+    from mlx_dspark.adapters.mlx import compiled_forward
+    from mlx_dspark.adapters.mlx.compiled_forward import CompiledForward
+
+    steps: list[int] = []
+    original = CompiledForward.__call__
+
+    def spy(self: Any, tokens: mx.array, caches: Any, layers: Any) -> Any:
+        steps.append(int(tokens.shape[0]))
+        return original(self, tokens, caches, layers)
+
+    monkeypatch.setattr(CompiledForward, "__call__", spy)
+    draft = helpers.perturbed(target, 0.3, seed=4)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(compiled_forward.STEPS_ENV, mode)
+        source = DraftModelSource(draft, vocab_ids=vocab, confidence_threshold=0.1)
+        rng = random.Random(5)
+        history = [rng.randrange(helpers.VOCAB) for _ in range(300)]  # the cache crosses 256 rows below
+        got = []
+        for r in range(8):
+            sampling = SamplingParams() if r % 2 else SamplingParams(temperature=0.9, top_p=0.9)
+            ctx = DraftContext(anchor=history[-1], position=len(history) - 1, history=history)
+            block = source.propose(ctx, 6, sampling, [rng.random() for _ in range(6)])
+            got.append((block.tokens, None if block.q is None else np.array(block.q).tolist()))
+            history = [*history, *block.tokens[: rng.randint(0, len(block))], rng.randrange(helpers.VOCAB)]
+        out[mode] = got
+        assert bool(steps) == (mode == "on") and set(steps) <= {1}
+    for (tokens_on, q_on), (tokens_off, q_off) in zip(out["on"], out["off"], strict=True):
+        assert tokens_on == tokens_off
+        assert (q_on is None) == (q_off is None)
+        if q_on is not None:
+            assert np.allclose(q_on, q_off, atol=1e-5)
+
+
 def test_a_fork_drafts_on_its_own_cache(target: Any) -> None:
     source = DraftModelSource(helpers.perturbed(target, 0.3, seed=4))
     twin = source.fork()
