@@ -89,7 +89,7 @@ case ${1:-status} in
     [ -n "$prev" ] && distill merge-data --data-file "$prev"
     # The trainer's float32 against bfloat16 compute on this slot's data (PROFILE= skips it): the train call
     # after it starts on the kernels this compiled (MLX_PTX_CACHE_DIR) rather than paying the JIT itself.
-    [ -n "${PROFILE-dspark-l3g}" ] && timeout -k 20 200 "$PY" "$REPO/scripts/gpu_distill.py" profile --model "$H/target" \
+    [ -n "${PROFILE-dspark-l3g}" ] && timeout -k 20 330 "$PY" "$REPO/scripts/gpu_distill.py" profile --model "$H/target" \
       --work "$W" --variants "${PROFILE-dspark-l3g}" --profile-steps 12 $EXTRA
     pack_small; check_out
     ;;
