@@ -27,20 +27,6 @@ GREEDY = SamplingParams()
 DENSE = ("llama", "qwen3", "qwen3_moe", "minicpm", "qwen3_ternary", "bitnet")
 
 
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows of every compiled forward."""
-    seen: list[int] = []
-    original = CompiledForward.__call__
-
-    def spy(self: Any, tokens: mx.array, caches: Any, layers: Any) -> Any:
-        seen.append(int(tokens.shape[0]))
-        return original(self, tokens, caches, layers)
-
-    monkeypatch.setattr(CompiledForward, "__call__", spy)
-    return seen
-
-
 def target(monkeypatch: pytest.MonkeyPatch, family: str, compiled: bool) -> MlxTargetModel:
     monkeypatch.setenv(key_buckets.ENV, "on")
     monkeypatch.setenv(compiled_forward.ENV, "on" if compiled else "off")
