@@ -14,7 +14,9 @@ path; anything else runs the model as it is.
 Plain steps (one row) run compiled where `steps_enabled`: on the CPU, where the graph's fused elementwise kernels
 and the Python it no longer walks made plain decoding of the default model 13% faster (the plain KV cache's
 buffer grows in the same 256-row steps, so a trace serves 256 steps). Not by default on CUDA: a one-row step
-there attends through a fused vector kernel that takes no mask array, and the padded buffer needs one.
+there attends through a fused vector kernel that takes no mask array, and the padded buffer needs one. On the
+CPU, verifies compile with them while rows x keys stays below what the NumPy attention (`cpu_kernels`) takes over
+in an eager forward: past that, an eager verify over the exact keys is faster (at 6,000 keys, 151 against 305 ms).
 """
 
 from __future__ import annotations

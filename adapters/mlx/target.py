@@ -234,8 +234,12 @@ class MlxTargetModel:
         self._kv_bits = kv_bits
         self._kv_group_size = kv_group_size
         self._buckets = key_buckets.enabled()  # fixed per process: states move between the two cache kinds
-        self._compile_verifies = compiled_forward.enabled(self._buckets)
         self._compile_steps = compiled_forward.steps_enabled()
+        # Verifies compile over key buckets (CUDA), or on the CPU with its steps while their attention stays below
+        # what the NumPy kernels take over in an eager forward (`cpu_kernels.MIN_SCORES` scores).
+        cpu = cpu_kernels.on_cpu() and not self._buckets
+        self._compile_verifies = compiled_forward.enabled(self._buckets) or (cpu and self._compile_steps)
+        self._verify_scores = cpu_kernels.MIN_SCORES // _model_arg(model, "num_attention_heads") if cpu else None
         self._compiled = (
             CompiledForward(model, self._start_recording) if self._compile_verifies or self._compile_steps else None
         )
@@ -659,10 +663,15 @@ class MlxTargetModel:
 
     def _compiles(self, rows: int) -> bool:
         """Whether a forward of `rows` rows runs as the compiled graph: this process compiles forwards of that
-        kind (plain steps or verifies) and the caches are dense."""
+        kind (plain steps or verifies), the caches are dense, and on the CPU a verify's attention is small."""
         if self._compiled is None or not (self._compile_steps if rows == 1 else self._compile_verifies):
             return False
-        return self._compiled.applies(self._caches, rows)
+        if not self._compiled.applies(self._caches, rows):
+            return False
+        if rows > 1 and self._verify_scores is not None:
+            width = max(int(self._caches[0].keys.shape[2]), self._offset + rows)  # the padded keys it attends
+            return rows * width < self._verify_scores
+        return True
 
     def _start_recording(self, layers: Sequence[int]) -> _Recorder:
         """The recorder of a traced compiled forward, its taps armed for `layers` (none: nothing recorded)."""

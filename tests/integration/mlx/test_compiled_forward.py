@@ -173,6 +173,28 @@ def test_compiled_plain_steps_equal_the_eager_ones(
     assert len(calls) == 29 + 6
 
 
+def test_cpu_verifies_compile_while_their_attention_is_small(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> None:
+    # Without key buckets (the CPU's default) verifies compile with the plain steps, over the plain cache, as long as
+    # rows x padded keys stays below the NumPy attention's share (eager forwards hand that to `cpu_kernels`); the
+    # verdicts are the eager ones, the features equal within float32 rounding.
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("the CPU's policy")
+    monkeypatch.setenv(key_buckets.ENV, "off")
+    out = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setenv(compiled_forward.ENV, mode)
+        t = MlxTargetModel(tiny_model("qwen3", seed=0), capture_layers=(-1, 0, 1))
+        assert t._compile_verifies is (mode == "auto")
+        if mode == "auto":
+            t._verify_scores = 4 * 256  # a verify of 4 or more rows over a 256-row buffer stays eager
+        out[mode] = rounds(t, 4)
+    for (a_on, n_on, f_on), (a_off, n_off, f_off) in zip(out["auto"], out["off"], strict=True):
+        assert (a_on, n_on) == (a_off, n_off)
+        assert mx.allclose(mx.array(f_on), mx.array(f_off), rtol=1e-4, atol=1e-5).item()
+    assert calls and all(n < 4 for n in calls)  # compiled: the narrow verifies only
+    assert any(n > 1 for n in calls)
+
+
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
 def test_a_compiled_markov_chain_drafts_what_the_eager_one_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threshold: float
