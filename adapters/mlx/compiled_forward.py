@@ -21,7 +21,6 @@ in an eager forward: past that, an eager verify over the exact keys is faster (a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,27 +28,21 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlx_dspark.adapters.mlx import key_buckets
+from mlx_dspark.adapters.mlx.device import switch_mode
 
 ENV = "MLX_DSPARK_COMPILE"  # "auto" (where key buckets are on), "on", "off" (no compiled forward at all)
 STEPS_ENV = "MLX_DSPARK_COMPILE_STEPS"  # plain steps: "auto" (the CPU), "on", "off"
 
 
-def _mode(env: str) -> str:
-    mode = os.environ.get(env, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{env} must be auto, on or off, got {mode!r}")
-    return mode
-
-
 def enabled(buckets: bool) -> bool:
     """Whether verifies run compiled in this process: needs key buckets (fixed shapes) unless forced off."""
-    return buckets and _mode(ENV) != "off"
+    return buckets and switch_mode(ENV) != "off"
 
 
 def steps_enabled() -> bool:
     """Whether plain steps run compiled in this process (auto: on the CPU; never with MLX_DSPARK_COMPILE=off)."""
-    mode = _mode(STEPS_ENV)
-    if _mode(ENV) == "off" or mode == "off":
+    mode = switch_mode(STEPS_ENV)
+    if switch_mode(ENV) == "off" or mode == "off":
         return False
     return mode == "on" or bool(mx.default_device().type == mx.cpu)
 

@@ -11,6 +11,20 @@ from typing import Any
 from mlx_dspark.adapters.mlx.blas import blas_status, ensure_fast_blas
 
 
+def switch_mode(env: str) -> str:
+    """The "auto" | "on" | "off" value of the environment variable `env` (unset or empty: auto).
+
+    Raises:
+        ValueError: another value.
+    """
+    import os
+
+    mode = os.environ.get(env, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{env} must be auto, on or off, got {mode!r}")
+    return mode
+
+
 def cuda_switch(env: str) -> bool:
     """An "auto" | "on" | "off" switch read from the environment variable `env`; auto means on where MLX runs on
     CUDA (the accelerator-path switches: key buckets, row products).
@@ -18,13 +32,9 @@ def cuda_switch(env: str) -> bool:
     Raises:
         ValueError: another value.
     """
-    import os
-
     import mlx.core as mx
 
-    mode = os.environ.get(env, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{env} must be auto, on or off, got {mode!r}")
+    mode = switch_mode(env)
     if mode != "auto":
         return mode == "on"
     return bool(mx.default_device().type == mx.gpu and mx.cuda.is_available())
@@ -62,7 +72,6 @@ def describe_runtime() -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     info["fp32_gemm_gflops"] = round(2 * 64 * 1024 * 1024 / statistics.median(times) / 1e9, 1)
     return info
-
 
 
 PREFIX_CACHE_FRACTION = 0.25  # of the memory free at start: room for the model's own growth stays

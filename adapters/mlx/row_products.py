@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from mlx_dspark.adapters.mlx.device import cuda_switch
+from mlx_dspark.adapters.mlx.device import cuda_switch, switch_mode
 
 ENV = "MLX_DSPARK_ROW_PRODUCTS"  # "auto" (CUDA only), "on", "off"
 SKINNY_ENV = "MLX_DSPARK_SKINNY"  # the few-row kernel: "on" (CUDA); "auto" and "off" keep it off
@@ -159,10 +159,7 @@ def skinny_enabled() -> bool:
     Raises:
         ValueError: another value.
     """
-    mode = os.environ.get(SKINNY_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{SKINNY_ENV} must be auto, on or off, got {mode!r}")
-    return mode == "on"
+    return switch_mode(SKINNY_ENV) == "on"
 
 
 def _skinny_fits(weight: mx.array, x: mx.array) -> bool:

@@ -639,7 +639,8 @@ class MlxTargetModel:
     def _forward(self, tokens: mx.array, record: bool, *, compiled: bool = False) -> mx.array:
         """Run tokens (ids [n]) after the cached rows; the taps record into this target when `record`.
         `compiled`: a verify or a plain step, run as the compiled graph where that applies (`compiled_forward`)."""
-        tokens = tokens.reshape(-1)  # a queued step's input is the previous step's 0-d pick
+        if tokens.ndim != 1:  # a queued step's input is the previous step's 0-d pick
+            tokens = tokens.reshape(-1)
         if compiled and self._compiles(int(tokens.shape[0])):
             assert self._compiled is not None
             layers = tuple(sorted(self._recorder.wanted)) if record and self._capture else ()
